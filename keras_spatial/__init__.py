@@ -1,0 +1,23 @@
+"""keras_spatial: spatial and hybrid data x spatial parallelism for 3D CNNs in Keras 3.
+
+Each sample's volume is split across the ranks of a spatial group; halo exchanges
+between neighbours make every layer compute exactly what it would on the whole volume.
+"""
+
+from keras_spatial import layers
+from keras_spatial.errors import SpatialNotSupportedError
+from keras_spatial.layers.core import Input
+from keras_spatial.mesh import Mesh
+from keras_spatial.strategy import SpatialStrategy
+from keras_spatial.strategy import get_strategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Input",
+    "Mesh",
+    "SpatialNotSupportedError",
+    "SpatialStrategy",
+    "get_strategy",
+    "layers",
+]

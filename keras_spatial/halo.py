@@ -1,0 +1,190 @@
+"""Halo arithmetic for sliding-window layers split along one axis. Pure, no Horovod.
+
+One rule covers 'same' and 'valid', strides, dilation and even kernels. Along one split
+axis with global input extent E, s equal shards, window f = dilation*(k-1)+1 and stride t,
+TensorFlow's global output extent O and leading padding p are::
+
+    'same':  O = ceil(E/t), p = max((O-1)*t + f - E, 0) // 2
+    'valid': O = floor((E-f)/t) + 1, p = 0
+
+Output shard j owns outputs [o0, o1) (an equal split of O) and needs the inputs
+[o0*t - p, (o1-1)*t - p + f). It owns the inputs [i0, i1), so
+
+    halo_before = i0 - (o0*t - p),   halo_after = ((o1-1)*t - p + f) - i1.
+
+Positive: received from neighbours; negative: cropped; outside [0, E): padding. A local
+'valid' window op on the input extended to the needed range then yields exactly the
+shard's outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+Interval = tuple[int, int]
+PADDINGS = ("same", "valid")
+
+
+def _check_positive(name: str, value: int) -> int:
+    if int(value) != value or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A 1D sliding window: kernel size, stride, dilation and padding mode."""
+
+    kernel: int
+    stride: int = 1
+    dilation: int = 1
+    padding: str = "valid"
+
+    def __post_init__(self):
+        _check_positive("kernel", self.kernel)
+        _check_positive("stride", self.stride)
+        _check_positive("dilation", self.dilation)
+        padding = str(self.padding).lower()
+        if padding not in PADDINGS:
+            raise ValueError(
+                f"`padding` must be one of {PADDINGS}. Received: padding={self.padding!r}"
+            )
+        object.__setattr__(self, "padding", padding)
+
+    @property
+    def extent(self) -> int:
+        """The span f = dilation * (kernel - 1) + 1 of one window."""
+        return self.dilation * (self.kernel - 1) + 1
+
+    def output_extent(self, input_extent: int) -> int:
+        """Global output extent O, as TensorFlow computes it (0 if no window fits)."""
+        if self.padding == "same":
+            return -(-input_extent // self.stride)
+        return max((input_extent - self.extent) // self.stride + 1, 0)
+
+    def pad_before(self, input_extent: int) -> int:
+        """Leading padding p of the global operation."""
+        if self.padding == "valid":
+            return 0
+        out = self.output_extent(input_extent)
+        return max((out - 1) * self.stride + self.extent - input_extent, 0) // 2
+
+
+class ShardAlignmentError(ValueError):
+    """A split the window cannot serve: the output extent does not divide evenly."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisPlan:
+    """Which inputs each shard owns and needs along one split axis.
+
+    Attributes:
+        global_extent: input extent E of the whole volume.
+        shards: number of equal shards s.
+        window: the sliding window.
+        output_extent: global output extent O.
+        owned: per shard, the global input interval [i0, i1) it holds.
+        needed: per shard, the global input interval its outputs read; it may reach
+            outside [0, E), where the padding value applies.
+    """
+
+    global_extent: int
+    shards: int
+    window: Window
+    output_extent: int
+    owned: tuple[Interval, ...]
+    needed: tuple[Interval, ...]
+
+    def halo(self, shard: int) -> tuple[int, int]:
+        """(halo_before, halo_after) of `shard`: positive receives, negative crops."""
+        (i0, i1), (n0, n1) = self.owned[shard], self.needed[shard]
+        return i0 - n0, n1 - i1
+
+    @property
+    def local_output_extent(self) -> int:
+        return self.output_extent // self.shards
+
+    @property
+    def extended_extent(self) -> int:
+        """Length of every shard's needed interval (the same for all shards)."""
+        n0, n1 = self.needed[0]
+        return n1 - n0
+
+    def transfer(self, sender: int, receiver: int) -> Optional[Interval]:
+        """The global interval `sender` sends to `receiver`, or None if nothing."""
+        if sender == receiver:
+            return None
+        n0, n1 = self.needed[receiver]
+        o0, o1 = self.owned[sender]
+        start, stop = max(n0, o0, 0), min(n1, o1, self.global_extent)
+        return (start, stop) if start < stop else None
+
+    def kept(self, shard: int) -> Optional[Interval]:
+        """The part of its own inputs that `shard` keeps (own interval cut to `needed`)."""
+        n0, n1 = self.needed[shard]
+        o0, o1 = self.owned[shard]
+        start, stop = max(n0, o0), min(n1, o1)
+        return (start, stop) if start < stop else None
+
+    def padding_before(self, shard: int) -> int:
+        """Planes of padding value before the data (needed inputs below 0)."""
+        return max(-self.needed[shard][0], 0)
+
+    def padding_after(self, shard: int) -> int:
+        """Planes of padding value after the data (needed inputs at or past E)."""
+        return max(self.needed[shard][1] - self.global_extent, 0)
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether any shard receives anything from another one."""
+        return any(
+            self.transfer(p, q) is not None
+            for p in range(self.shards)
+            for q in range(self.shards)
+        )
+
+    def valid_counts(self, shard: int) -> list[int]:
+        """Per local output of `shard`: how many window taps fall inside [0, E).
+
+        Used by average pooling, which leaves padding out of the mean.
+        """
+        w = self.window
+        p = w.pad_before(self.global_extent)
+        per_shard = self.local_output_extent
+        counts = []
+        for o in range(shard * per_shard, (shard + 1) * per_shard):
+            taps = (o * w.stride - p + i * w.dilation for i in range(w.kernel))
+            counts.append(sum(0 <= tap < self.global_extent for tap in taps))
+        return counts
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_axis(global_extent: int, shards: int, window: Window) -> AxisPlan:
+    """Plan one axis of a window op over `global_extent` split into `shards` equal shards.
+
+    Raises:
+        ShardAlignmentError: if E or O is not divisible by `shards`, or no window fits.
+    """
+    global_extent = _check_positive("global_extent", global_extent)
+    shards = _check_positive("shards", shards)
+    out = window.output_extent(global_extent)
+    if out < 1:
+        raise ShardAlignmentError(
+            f"The window (extent {window.extent}) is larger than the input extent "
+            f"{global_extent} with padding 'valid'; there is no output."
+        )
+    if global_extent % shards or out % shards:
+        raise ShardAlignmentError(
+            f"Input extent {global_extent} and output extent {out} must both be divisible "
+            f"by the {shards} shards so that every shard holds an equal slab."
+        )
+    local_in, local_out = global_extent // shards, out // shards
+    p = window.pad_before(global_extent)
+    owned, needed = [], []
+    for j in range(shards):
+        o0, o1 = j * local_out, (j + 1) * local_out
+        owned.append((j * local_in, (j + 1) * local_in))
+        needed.append((o0 * window.stride - p, (o1 - 1) * window.stride - p + window.extent))
+    return AxisPlan(global_extent, shards, window, out, tuple(owned), tuple(needed))

@@ -1,0 +1,81 @@
+"""What sliding-window spatial layers (convolution, pooling) share."""
+
+from __future__ import annotations
+
+from keras_spatial.errors import SpatialNotSupportedError
+from keras_spatial.halo import AxisPlan, ShardAlignmentError, Window, plan_axis
+from keras_spatial.mesh import SPATIAL_AXES
+from keras_spatial.ops.halo_exchange import extend_to_halo
+from keras_spatial.strategy import get_strategy
+
+
+def active_spatial_strategy():
+    """The active strategy if it splits samples, else None (plain Keras behaviour)."""
+    strategy = get_strategy()
+    return strategy if strategy is not None and strategy.is_spatial else None
+
+
+def check_channels_last(layer) -> None:
+    if layer.data_format != "channels_last":
+        raise SpatialNotSupportedError(
+            f"{type(layer).__name__} supports only data_format='channels_last'. "
+            f"Received: data_format={layer.data_format!r}, layer={layer.name!r}"
+        )
+
+
+class SpatialWindowMixin:
+    """Halo planning and exchange for a layer with one sliding window per axis.
+
+    The subclass provides `_windows()`: one `keras_spatial.halo.Window` per spatial axis.
+    Input shapes seen by the layer are LOCAL (one shard); the global extent along an
+    axis is the local extent times the number of shards.
+    """
+
+    def _windows(self) -> tuple[Window, Window, Window]:
+        raise NotImplementedError
+
+    def _axis_plans(self, strategy, input_shape) -> tuple[AxisPlan, ...]:
+        if len(input_shape) != 5:
+            raise ValueError(
+                f"{type(self).__name__} expects 5D inputs (batch, depth, height, width, "
+                f"channels). Received: input_shape={tuple(input_shape)}, layer={self.name!r}"
+            )
+        plans = []
+        for axis, (window, local, shards) in enumerate(
+            zip(self._windows(), input_shape[1:4], strategy.spatial_shape)
+        ):
+            if local is None:
+                raise ValueError(
+                    f"A spatially split layer needs a known {SPATIAL_AXES[axis]} extent. "
+                    f"Received: input_shape={tuple(input_shape)}, layer={self.name!r}"
+                )
+            global_extent = local * shards
+            try:
+                plans.append(plan_axis(global_extent, shards, window))
+            except ShardAlignmentError as error:
+                raise ValueError(
+                    f"Layer {self.name!r} cannot keep its shards aligned along the "
+                    f"{SPATIAL_AXES[axis]} axis: {error} Choose input extents (or a mesh) "
+                    "so that every layer's output divides evenly. Received: "
+                    f"layer={self.name!r}, axis={SPATIAL_AXES[axis]!r}, "
+                    f"global_input_extent={global_extent}, "
+                    f"global_output_extent={window.output_extent(global_extent)}, "
+                    f"local_input_extent={local}, shards={shards}, "
+                    f"spatial_shape={strategy.spatial_shape}"
+                ) from None
+        return tuple(plans)
+
+    def _spatial_output_shape(self, strategy, input_shape, channels):
+        plans = self._axis_plans(strategy, input_shape)
+        return (input_shape[0],) + tuple(p.local_output_extent for p in plans) + (channels,)
+
+    def _extend(self, inputs, strategy, plans, fill_value):
+        return extend_to_halo(
+            inputs,
+            plans,
+            strategy.mesh,
+            strategy.coords,
+            strategy.spatial_process_set,
+            fill_value=fill_value,
+            name="ks_halo",
+        )

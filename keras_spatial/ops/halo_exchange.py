@@ -1,0 +1,137 @@
+"""Differentiable halo exchange: extend a local shard to the inputs its outputs need.
+
+Axes are exchanged one after another (depth, height, width), each exchange including
+the halos already received, so corner and edge regions arrive without extra messages.
+Each exchange is one `alltoall` inside the spatial process set that carries only the
+halo planes (ranks that are not neighbours along the axis send and receive nothing).
+Its gradient, the alltoall with the splits swapped, adds the gradient of every received
+plane to the sender's boundary plane: the adjoint of the exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import tensorflow as tf
+
+from keras_spatial import comm
+from keras_spatial.halo import AxisPlan
+from keras_spatial.mesh import SPATIAL_AXES, Mesh
+
+
+def _to_front(x: tf.Tensor, axis: int) -> tf.Tensor:
+    perm = [axis] + [a for a in range(x.shape.rank) if a != axis]
+    return tf.transpose(x, perm)
+
+
+def _from_front(x: tf.Tensor, axis: int) -> tf.Tensor:
+    rank = x.shape.rank
+    perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
+    return tf.transpose(x, perm)
+
+
+def _slice_axis(x: tf.Tensor, axis: int, start: int, stop: int) -> tf.Tensor:
+    begin = [0] * x.shape.rank
+    size = [-1] * x.shape.rank
+    begin[axis], size[axis] = start, stop - start
+    return tf.slice(x, begin, size)
+
+
+def _fill_like(x: tf.Tensor, axis: int, planes: int, value: float) -> tf.Tensor:
+    shape = tf.tensor_scatter_nd_update(tf.shape(x), [[axis]], [planes])
+    return tf.fill(shape, tf.constant(value, x.dtype))
+
+
+def _line_peers(mesh: Mesh, coords: Sequence[int], axis: int) -> list[int | None]:
+    """For each spatial index of the group: its shard index along `axis` if it lies on
+    this rank's line along `axis` (same coordinates on the other axes), else None."""
+    peers = []
+    for index in range(mesh.spatial_size):
+        other = mesh.coords_of_spatial_index(index)
+        same_line = all(other[b] == coords[b] for b in range(3) if b != axis)
+        peers.append(other[axis] if same_line else None)
+    return peers
+
+
+def extend_axis(
+    x: tf.Tensor,
+    spatial_axis: int,
+    plan: AxisPlan,
+    mesh: Mesh,
+    coords: Sequence[int],
+    process_set,
+    fill_value: float,
+    name: str,
+) -> tf.Tensor:
+    """Extend `x` (batch, D, H, W, C) along one spatial axis to its needed interval."""
+    axis = spatial_axis + 1
+    me = coords[spatial_axis]
+    own_start = plan.owned[me][0]
+    parts_before, parts_after = [], []
+    if plan.exchanges:
+        peers = _line_peers(mesh, coords, spatial_axis)
+        chunks, send_splits, recv_splits, sources = [], [], [], []
+        for peer in peers:
+            sent = plan.transfer(me, peer) if peer is not None else None
+            got = plan.transfer(peer, me) if peer is not None else None
+            send_splits.append(0 if sent is None else sent[1] - sent[0])
+            recv_splits.append(0 if got is None else got[1] - got[0])
+            if sent is not None:
+                chunks.append(_slice_axis(x, axis, sent[0] - own_start, sent[1] - own_start))
+            if got is not None:
+                sources.append(peer)
+        if not chunks:  # this rank sends nothing: an empty buffer of the right shape
+            chunks.append(_slice_axis(x, axis, 0, 0))
+        buffer = tf.concat([_to_front(c, axis) for c in chunks], axis=0)
+        received = comm.alltoall(
+            buffer, send_splits, recv_splits, process_set, name=f"{name}_{SPATIAL_AXES[spatial_axis]}"
+        )
+        sizes = [s for s in recv_splits if s]
+        pieces = tf.split(received, sizes, axis=0) if len(sizes) > 1 else [received]
+        for source, piece in zip(sources, pieces):
+            (parts_before if source < me else parts_after).append(_from_front(piece, axis))
+    kept = plan.kept(me)
+    if kept == plan.owned[me]:
+        middle = [x]
+    elif kept is not None:
+        middle = [_slice_axis(x, axis, kept[0] - own_start, kept[1] - own_start)]
+    else:
+        middle = []
+    pad_before, pad_after = plan.padding_before(me), plan.padding_after(me)
+    parts = (
+        ([_fill_like(x, axis, pad_before, fill_value)] if pad_before else [])
+        + parts_before
+        + middle
+        + parts_after
+        + ([_fill_like(x, axis, pad_after, fill_value)] if pad_after else [])
+    )
+    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=axis)
+
+
+def extend_to_halo(
+    x: tf.Tensor,
+    plans: Sequence[AxisPlan],
+    mesh: Mesh,
+    coords: Sequence[int],
+    process_set,
+    fill_value: float = 0.0,
+    name: str = "ks_halo",
+) -> tf.Tensor:
+    """Extend a local shard along all three spatial axes (see `extend_axis`).
+
+    Args:
+        x: the local shard, channels last (batch, d, h, w, C).
+        plans: one `AxisPlan` per spatial axis, from `keras_spatial.halo.plan_axis`.
+        mesh, coords: the mesh and this rank's shard coordinates.
+        process_set: the spatial group's Horovod process set (None when S == 1).
+        fill_value: value outside the global volume (0 for convolution, -inf for max
+            pooling).
+        name: prefix of the collective ops' names.
+
+    Returns:
+        The shard extended (or cropped) to every axis's needed interval, on which a
+        'valid' window op gives exactly this shard's outputs.
+    """
+    for spatial_axis, plan in enumerate(plans):
+        x = extend_axis(x, spatial_axis, plan, mesh, coords, process_set, fill_value, name)
+    return x

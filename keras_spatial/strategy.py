@@ -1,0 +1,218 @@
+"""`SpatialStrategy`: the mesh of ranks and the entry point of the user's program."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Sequence
+
+import tensorflow as tf
+
+from keras_spatial import comm
+from keras_spatial.mesh import Mesh
+
+_scope_stack: list["SpatialStrategy"] = []
+_latest: Optional["SpatialStrategy"] = None
+
+
+def get_strategy() -> Optional["SpatialStrategy"]:
+    """The strategy layers use: the innermost `scope()`, else the latest one created.
+
+    Returns None when no strategy exists; spatial layers then behave exactly like their
+    Keras parents (a saved model loaded in one process is an ordinary model).
+    """
+    if _scope_stack:
+        return _scope_stack[-1]
+    return _latest
+
+
+class SpatialStrategy:
+    """Hybrid data x spatial parallelism over Horovod.
+
+    The world of N ranks is arranged as N/S data groups of S = sd*sh*sw spatial ranks;
+    each spatial group shares one sample, split into an sd x sh x sw grid of equal
+    sub-volumes (see `keras_spatial.mesh.Mesh`). Horovod is initialized on creation when
+    the process was started by a Horovod launcher (horovodrun, mpirun, srun); a plain
+    `python` process is a world of one rank and needs no Horovod.
+
+    Several strategies with different meshes may be created one after another in one
+    process; the latest one (or the one whose `scope()` is active) is used by layers.
+
+    Args:
+        spatial_shape: shards per sample along (depth, height, width).
+            Defaults to `(1, 1, 1)` (pure data parallelism).
+
+    Raises:
+        ValueError: if the world size is not a multiple of the spatial size, or a
+            spatial split is asked for outside a Horovod launch.
+
+    Example:
+    ```python
+    strategy = keras_spatial.SpatialStrategy(spatial_shape=(2, 1, 1))
+    with strategy.scope():
+        x = keras_spatial.Input((64, 64, 64, 4))
+        y = keras_spatial.layers.SpatialConv3D(8, 3, padding="same")(x)
+        model = keras.Model(x, y)
+    y_local = model(strategy.shard(x_global))
+    ```
+    """
+
+    def __init__(self, spatial_shape: Sequence[int] = (1, 1, 1)):
+        global _latest
+        if comm.launched_by_horovod():
+            if not comm.available():
+                raise ImportError(
+                    "This process was started by a Horovod launcher, but "
+                    "`horovod.tensorflow` cannot be imported. Build it with "
+                    "`bash tools/install_horovod.sh` (see the README)."
+                )
+            rank, size = comm.initialize()
+        else:
+            rank, size = 0, 1
+        self._rank = rank
+        self.mesh = Mesh(world_size=size, spatial_shape=tuple(spatial_shape))
+        if size > 1:
+            # Registration is collective: every rank registers every group, in order.
+            for group in self.mesh.spatial_groups() + self.mesh.position_groups():
+                comm.process_set(group)
+        self._spatial_set = self._set_of(self.mesh.spatial_group(self.data_index))
+        self._position_set = self._set_of(self.mesh.position_group(self.spatial_index))
+        self._world_set = self._set_of(range(size))
+        _latest = self
+
+    @staticmethod
+    def _set_of(ranks: Sequence[int]) -> Any:
+        ranks = list(ranks)
+        return comm.process_set(ranks) if len(ranks) > 1 else None
+
+    # Mesh facts about this rank ---------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the world."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the world."""
+        return self.mesh.world_size
+
+    @property
+    def spatial_shape(self) -> tuple[int, int, int]:
+        """Shards per sample along (depth, height, width)."""
+        return self.mesh.spatial_shape
+
+    @property
+    def spatial_size(self) -> int:
+        """Ranks per sample (S)."""
+        return self.mesh.spatial_size
+
+    @property
+    def data_size(self) -> int:
+        """Number of data-parallel groups."""
+        return self.mesh.data_size
+
+    @property
+    def data_index(self) -> int:
+        """This rank's data group."""
+        return self.mesh.data_index(self.rank)
+
+    @property
+    def spatial_index(self) -> int:
+        """This rank's position inside its spatial group."""
+        return self.mesh.spatial_index(self.rank)
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        """This rank's (i_d, i_h, i_w) shard coordinates."""
+        return self.mesh.coords(self.rank)
+
+    @property
+    def is_spatial(self) -> bool:
+        """Whether samples are split (S > 1)."""
+        return self.spatial_size > 1
+
+    @property
+    def spatial_process_set(self) -> Any:
+        """Horovod process set of this rank's spatial group (None if S == 1)."""
+        return self._spatial_set
+
+    @property
+    def position_process_set(self) -> Any:
+        """Horovod process set of this spatial position across data groups."""
+        return self._position_set
+
+    @property
+    def world_process_set(self) -> Any:
+        """Horovod process set of the whole world (None for one rank)."""
+        return self._world_set
+
+    # Scope ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["SpatialStrategy"]:
+        """Make this strategy the one layers and `keras_spatial.Input` use."""
+        _scope_stack.append(self)
+        try:
+            yield self
+        finally:
+            _scope_stack.pop()
+
+    # Shapes -----------------------------------------------------------------------
+    def local_shape(self, global_shape: Sequence[Optional[int]]) -> tuple:
+        """The shard shape of a channels-last (batch, D, H, W, C) global shape.
+
+        Raises:
+            ValueError: if the shape is not 5D or a spatial extent does not divide.
+        """
+        global_shape = tuple(global_shape)
+        if len(global_shape) != 5:
+            raise ValueError(
+                "Expected a channels-last 5D shape (batch, depth, height, width, "
+                f"channels). Received: shape={global_shape}"
+            )
+        local = self.mesh.local_extents(global_shape[1:4])
+        return (global_shape[0],) + local + (global_shape[4],)
+
+    def _bounds(self, global_extents: Sequence[int]) -> list[slice]:
+        local = self.mesh.local_extents(global_extents)
+        return [slice(c * n, (c + 1) * n) for c, n in zip(self.coords, local)]
+
+    # Data movement ----------------------------------------------------------------
+    def shard(self, array: Any, split_batch: bool = False) -> Any:
+        """This rank's sub-volume of a global (batch, D, H, W, C) array.
+
+        Args:
+            array: a NumPy array or tensor holding the whole volume.
+            split_batch: also take this data group's equal part of the batch (for
+                feeding a global batch to data groups). Defaults to False.
+
+        Returns:
+            The same kind of array, of the local shape.
+        """
+        shape = tuple(array.shape)
+        self.local_shape(shape)  # validates
+        index = [slice(None)] + self._bounds(shape[1:4]) + [slice(None)]
+        if split_batch:
+            if shape[0] is None or shape[0] % self.data_size:
+                raise ValueError(
+                    f"The batch of {shape[0]} cannot be split evenly over "
+                    f"{self.data_size} data groups. Received: shape={shape}"
+                )
+            per_group = shape[0] // self.data_size
+            index[0] = slice(self.data_index * per_group, (self.data_index + 1) * per_group)
+        return array[tuple(index)]
+
+    def gather(self, tensor: Any) -> tf.Tensor:
+        """The whole volume from the local shards, on every rank of the spatial group.
+
+        Differentiable: the gradient is summed over the spatial group and each rank
+        keeps its own slice (DESIGN.md, "Gradient rule").
+        """
+        from keras_spatial.ops.gather import gather_volume
+
+        return gather_volume(tf.convert_to_tensor(tensor), self)
+
+    def __repr__(self) -> str:
+        return (
+            f"SpatialStrategy(spatial_shape={self.spatial_shape}, world_size={self.size}, "
+            f"data_size={self.data_size}, rank={self.rank}, coords={self.coords})"
+        )
+
