@@ -4,7 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast demo bench clean
+HOROVODRUN := $(VENV)/bin/horovodrun --gloo -np 2 -H localhost:2
+
+.PHONY: venv test test-fast demo bench-halo clean
 
 venv: $(STAMP)
 
@@ -22,7 +24,10 @@ test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not distributed"
 
 demo: $(STAMP)
-	$(PY) tools/demo_layers.py
+	$(HOROVODRUN) $(PY) tools/demo_layers.py
+
+bench-halo: $(STAMP)
+	$(HOROVODRUN) $(PY) tools/bench_halo.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -5,6 +5,7 @@ between neighbours make every layer compute exactly what it would on the whole v
 """
 
 from keras_spatial import layers
+from keras_spatial.conversion import to_keras_model
 from keras_spatial.errors import SpatialNotSupportedError
 from keras_spatial.layers.core import Input
 from keras_spatial.mesh import Mesh
@@ -20,4 +21,5 @@ __all__ = [
     "SpatialStrategy",
     "get_strategy",
     "layers",
+    "to_keras_model",
 ]

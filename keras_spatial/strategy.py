@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Optional, Sequence
 
+import keras
 import tensorflow as tf
 
 from keras_spatial import comm
@@ -12,6 +13,13 @@ from keras_spatial.mesh import Mesh
 
 _scope_stack: list["SpatialStrategy"] = []
 _latest: Optional["SpatialStrategy"] = None
+
+
+def _product(values: Sequence[int]) -> int:
+    result = 1
+    for value in values:
+        result *= int(value)
+    return max(result, 1)
 
 
 def get_strategy() -> Optional["SpatialStrategy"]:
@@ -65,18 +73,17 @@ class SpatialStrategy:
                     "`horovod.tensorflow` cannot be imported. Build it with "
                     "`bash tools/install_horovod.sh` (see the README)."
                 )
-            rank, size = comm.initialize()
+            rank, size = comm.initialize(spatial_size=_product(spatial_shape))
         else:
             rank, size = 0, 1
         self._rank = rank
         self.mesh = Mesh(world_size=size, spatial_shape=tuple(spatial_shape))
-        if size > 1:
-            # Registration is collective: every rank registers every group, in order.
-            for group in self.mesh.spatial_groups() + self.mesh.position_groups():
-                comm.process_set(group)
         self._spatial_set = self._set_of(self.mesh.spatial_group(self.data_index))
         self._position_set = self._set_of(self.mesh.position_group(self.spatial_index))
         self._world_set = self._set_of(range(size))
+        if rank != 0:
+            # Progress bars and Keras's printed logs on rank 0 only.
+            keras.config.disable_interactive_logging()
         _latest = self
 
     @staticmethod
@@ -209,6 +216,77 @@ class SpatialStrategy:
         from keras_spatial.ops.gather import gather_volume
 
         return gather_volume(tf.convert_to_tensor(tensor), self)
+
+    def allreduce(self, value: Any, op: str = "sum", group: str = "world") -> tf.Tensor:
+        """Sum or average `value` over a group of ranks (differentiable).
+
+        Args:
+            value: a tensor or array, the same shape on every rank of the group.
+            op: 'sum' or 'average'. Defaults to 'sum'.
+            group: 'world', 'spatial' (this rank's spatial group) or 'data' (this
+                spatial position across data groups). Defaults to 'world'.
+        """
+        sets = {"world": self._world_set, "spatial": self._spatial_set, "data": self._position_set}
+        if group not in sets:
+            raise ValueError(f"`group` must be one of {sorted(sets)}. Received: group={group!r}")
+        if op not in ("sum", "average"):
+            raise ValueError(f"`op` must be 'sum' or 'average'. Received: op={op!r}")
+        value = tf.convert_to_tensor(value)
+        if sets[group] is None:
+            return value
+        return comm.allreduce(value, sets[group], name=f"ks_{group}_{op}", op=op)
+
+    def barrier(self) -> None:
+        """Wait until every rank of the world gets here (e.g. before a rank exits while
+        others may still be communicating)."""
+        if self._world_set is not None:
+            self.allreduce(tf.zeros([1]), "sum", "world").numpy()
+
+    def world_sum(self, value: Any) -> tf.Tensor:
+        """`value` summed over every rank of the world."""
+        return self.allreduce(value, "sum", "world")
+
+    # Training --------------------------------------------------------------------
+    def distribute_optimizer(self, optimizer):
+        """Wrap a Keras optimizer so that gradients are averaged over the world.
+
+        See `keras_spatial.optimizer.DistributedOptimizer`.
+        """
+        from keras_spatial.optimizer import DistributedOptimizer
+
+        return DistributedOptimizer(optimizer)
+
+    def callbacks(self, *callbacks) -> list:
+        """The callback list for `model.fit`/`evaluate` on this mesh.
+
+        Puts `keras_spatial.callbacks.MetricAverage` first (global loss and metrics in
+        the progress bar, History and every later callback, so EarlyStopping stops all
+        ranks together) and keeps file-writing callbacks (ModelCheckpoint, TensorBoard,
+        CSVLogger) on rank 0 only.
+
+        Example:
+        ```python
+        model.fit(ds, epochs=5, callbacks=strategy.callbacks(
+            keras.callbacks.ModelCheckpoint("ckpt.keras"),
+            keras.callbacks.EarlyStopping(patience=2)))
+        ```
+        """
+        from keras_spatial.callbacks import MetricAverage, rank_zero_callbacks
+
+        return [MetricAverage(self)] + rank_zero_callbacks(callbacks, self.rank)
+
+    def broadcast_variables(self, variables, root: int = 0) -> None:
+        """Give every rank rank `root`'s values of `variables` (e.g. `model.variables`)."""
+        from keras_spatial.optimizer import broadcast_variables
+
+        broadcast_variables(variables, self, root)
+
+    def distribute_dataset(self, dataset, batch_size: int, **kwargs):
+        """A `tf.data.Dataset` of this rank's shards; see
+        `keras_spatial.data.distribute_dataset` for the arguments."""
+        from keras_spatial.data.pipeline import distribute_dataset
+
+        return distribute_dataset(self, dataset, batch_size, **kwargs)
 
     def __repr__(self) -> str:
         return (

@@ -14,6 +14,7 @@ from keras_spatial.comm.collectives import allgather
 from keras_spatial.comm.collectives import allreduce
 from keras_spatial.comm.collectives import alltoall
 from keras_spatial.comm.collectives import broadcast
+from keras_spatial.comm.collectives import grouped_allreduce
 from keras_spatial.comm.collectives import broadcast_object
 from keras_spatial.comm.collectives import allgather_object
 
@@ -26,6 +27,7 @@ __all__ = [
     "allreduce",
     "alltoall",
     "broadcast",
+    "grouped_allreduce",
     "broadcast_object",
     "allgather_object",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Optional, Sequence
 
 # Variables Horovod's launchers (horovodrun/horovod.run with Gloo, mpirun, srun) set.
@@ -13,6 +14,10 @@ _LAUNCH_VARIABLES = (
     "PMI_RANK",
     "PMIX_RANK",
 )
+_SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+# Up to this world size every process set any mesh can need is created at start-up.
+ALL_MESHES_MAX_WORLD = 64
 
 _process_sets: dict[tuple[int, ...], object] = {}
 
@@ -37,26 +42,92 @@ def _hvd():
     return hvd
 
 
-def initialize() -> tuple[int, int]:
-    """Initialize Horovod once, with dynamic process sets; return (rank, size).
+def world_size_from_environment() -> Optional[int]:
+    """The world size the launcher announced, before Horovod starts (None if unknown)."""
+    for name in _SIZE_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
 
-    Dynamic process sets let several strategies with different meshes be created one
-    after another in one process (tests, notebooks); Horovod otherwise fixes its
-    process sets at `hvd.init()`.
+
+def mesh_groups(world_size: int, spatial_size: int) -> list[tuple[int, ...]]:
+    """The process sets of meshes with `spatial_size` ranks per sample: contiguous
+    spatial groups and strided position groups (singletons and the world left out)."""
+    if world_size % spatial_size:
+        return []
+    spatial = [tuple(range(s, s + spatial_size)) for s in range(0, world_size, spatial_size)]
+    position = [tuple(range(i, world_size, spatial_size)) for i in range(spatial_size)]
+    return [g for g in spatial + position if 1 < len(g) < world_size]
+
+
+def initialize(spatial_size: int) -> tuple[int, int]:
+    """Initialize Horovod once, with static process sets; return (rank, size).
+
+    Horovod's process sets are fixed at `hvd.init()` unless made dynamic, and sets added
+    dynamically are not usable at once on every rank (Horovod 0.28.1 on Gloo fails ops
+    with "Process set provided does not exist" for a while after `add_process_set`
+    returns) and slow its background loop. So the sets are static: for worlds of up to
+    ALL_MESHES_MAX_WORLD ranks, those of every possible mesh (the spatial size must
+    divide the world size, so there are few), so that several strategies with different
+    meshes can be created one after another; for larger worlds, those of the first
+    strategy's spatial size.
     """
     hvd = _hvd()
     if not hvd.is_initialized():
-        os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
-        hvd.init()
+        world_size = world_size_from_environment()
+        groups: list[tuple[int, ...]] = []
+        if world_size is not None:
+            sizes = (
+                [s for s in range(2, world_size) if world_size % s == 0]
+                if world_size <= ALL_MESHES_MAX_WORLD
+                else [spatial_size]
+            )
+            for size in sizes:
+                groups += [g for g in mesh_groups(world_size, size) if g not in groups]
+        sets = [hvd.ProcessSet(list(g)) for g in groups]
+        hvd.init(process_sets=sets)
+        _process_sets.clear()
+        _process_sets.update({tuple(s.ranks): s for s in sets})
+        for own_set in sets:  # the same order on every member of each set
+            if hvd.rank() in own_set.ranks:
+                _wait_until_usable(own_set)
     return hvd.rank(), hvd.size()
 
 
-def process_set(ranks: Sequence[int]) -> Optional[object]:
-    """The Horovod process set of exactly `ranks`, registered on first use.
+def _wait_until_usable(process_set, timeout: float = 120.0) -> None:
+    """Block until the members of `process_set` can run collectives on it.
 
-    Registration is collective: every rank must ask for the same sets in the same order
-    (strategies do, since every rank builds the same mesh). Returns the global process
-    set for the whole world and None for a single rank (nothing to communicate).
+    `hvd.init` returns before Horovod's background thread has activated the process
+    sets; an op enqueued at once fails with "Process set provided does not exist, or has
+    not been registered" (seen with Horovod 0.28.1 on Gloo, static and dynamic sets
+    alike). That check is local and fails immediately, so retrying a tiny allreduce until
+    it goes through is safe, and its completion shows every member has the set.
+    """
+    import tensorflow as tf
+
+    hvd = _hvd()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            hvd.allreduce(
+                tf.zeros([1]), op=hvd.Sum, name=f"ks_set_ready_{process_set.process_set_id}",
+                process_set=process_set,
+            )
+            return
+        except tf.errors.InvalidArgumentError as error:
+            if "does not exist" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def process_set(ranks: Sequence[int]) -> Optional[object]:
+    """The Horovod process set of exactly `ranks`.
+
+    Returns the global process set for the whole world and None for a single rank
+    (nothing to communicate).
+
+    Raises:
+        ValueError: if the set was not created at start-up (see `initialize`).
     """
     hvd = _hvd()
     key = tuple(sorted(int(r) for r in ranks))
@@ -65,11 +136,11 @@ def process_set(ranks: Sequence[int]) -> Optional[object]:
     if key == tuple(range(hvd.size())):
         return hvd.global_process_set
     if key not in _process_sets:
-        _process_sets[key] = hvd.add_process_set(list(key))
+        raise ValueError(
+            f"No Horovod process set for ranks {list(key)}. Horovod fixes its process sets "
+            "when it starts; in worlds of more than "
+            f"{ALL_MESHES_MAX_WORLD} ranks only the first SpatialStrategy's spatial size is "
+            "prepared, so all strategies of one job must split samples into the same number "
+            f"of shards. Received: ranks={list(key)}, world_size={hvd.size()}"
+        )
     return _process_sets[key]
-
-
-def register_process_sets(groups: Sequence[Sequence[int]]) -> None:
-    """Register every group in `groups` (collective: all ranks call with the same list)."""
-    for group in groups:
-        process_set(group)

@@ -16,6 +16,13 @@ def active_spatial_strategy():
 
 
 def check_channels_last(layer) -> None:
+    """Refuse channels_first, and mark the layer as not XLA-compilable.
+
+    Horovod's ops cannot be compiled by XLA, so a model with spatial layers must run
+    with jit_compile=False; Keras's jit_compile="auto" (and True, with a warning) then
+    resolves to False.
+    """
+    layer.supports_jit = False
     if layer.data_format != "channels_last":
         raise SpatialNotSupportedError(
             f"{type(layer).__name__} supports only data_format='channels_last'. "

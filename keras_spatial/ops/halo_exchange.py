@@ -87,9 +87,15 @@ def extend_axis(
             buffer, send_splits, recv_splits, process_set, name=f"{name}_{SPATIAL_AXES[spatial_axis]}"
         )
         sizes = [s for s in recv_splits if s]
-        pieces = tf.split(received, sizes, axis=0) if len(sizes) > 1 else [received]
-        for source, piece in zip(sources, pieces):
-            (parts_before if source < me else parts_after).append(_from_front(piece, axis))
+        if not sources:
+            # Nothing arrives here, but the (empty) result must stay in the graph: its
+            # gradient op is the backward alltoall that returns this rank's share of the
+            # gradient, and every rank of the set has to take part in it.
+            parts_after.append(_from_front(received, axis))
+        else:
+            pieces = tf.split(received, sizes, axis=0) if len(sizes) > 1 else [received]
+            for source, piece in zip(sources, pieces):
+                (parts_before if source < me else parts_after).append(_from_front(piece, axis))
     kept = plan.kept(me)
     if kept == plan.owned[me]:
         middle = [x]

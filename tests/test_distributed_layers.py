@@ -1,0 +1,112 @@
+"""Spatial layers on 2, 4 and 8 ranks against plain Keras on the whole volume.
+
+One Horovod launch per world size runs every mesh of that size one after another (so
+creating several strategies in one process is exercised too); the tests below read the
+numbers each rank returned. A value <= 0 means |spatial - keras| <= 1e-5 + 1e-5 |keras|
+everywhere (outputs, input gradients, world-summed weight gradients).
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from tests.distributed.launcher import horovod_or_skip, run_on_ranks
+from tests.distributed.layer_cases import conv_grid, pool_grid, random_cases
+from tests.distributed.layer_workers import run_suite
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+GRID = conv_grid() + pool_grid()
+EAGER = [c for c in GRID if c.name in ("conv-k3-s1-d1-same", "conv-k2-s2-d1-valid", "max-p3-s2-same", "avg-p3-s1-same")]
+MESHES = {
+    2: [(2, 1, 1), (1, 2, 1), (1, 1, 2)],
+    4: [(4, 1, 1), (2, 2, 1), (1, 2, 2), (2, 1, 1)],  # the last: 2 data groups x 2 spatial
+    8: [(2, 2, 2)],
+}
+SMOKE_8 = [c for c in GRID if c.name in ("conv-k3-s1-d1-same", "conv-k4-s2-d1-valid", "max-p2-s2-same", "avg-p3-s2-same")]
+
+
+def cases_for(np_, shape):
+    if np_ == 8:
+        return SMOKE_8
+    return GRID + random_cases(seed=100 * shape[0] + 10 * shape[1] + shape[2], count=6)
+
+
+@pytest.fixture(scope="session")
+def suites(tmp_path_factory):
+    horovod_or_skip()
+    cache = {}
+
+    def get(np_):
+        if np_ not in cache:
+            save_dir = str(tmp_path_factory.mktemp(f"saved{np_}"))
+            meshes = [(shape, cases_for(np_, shape), True) for shape in MESHES[np_]]
+            meshes.append((MESHES[np_][0], EAGER, False))
+            bad = (3, 1, 1) if np_ == 4 else None
+            cache[np_] = (run_on_ranks(run_suite, np_, meshes, save_dir=save_dir, bad_spatial_shape=bad), save_dir)
+        return cache[np_]
+
+    return get
+
+
+def _params():
+    for np_, shapes in MESHES.items():
+        for shape in shapes:
+            for case in cases_for(np_, shape):
+                yield pytest.param(np_, shape, case, True, id=f"{np_}r-{'x'.join(map(str, shape))}-{case.name}")
+        for case in EAGER:
+            yield pytest.param(np_, shapes[0], case, False, id=f"{np_}r-{'x'.join(map(str, shapes[0]))}-eager-{case.name}")
+
+
+@pytest.mark.parametrize("np_,shape,case,graph", list(_params()))
+def test_layer_matches_keras(suites, np_, shape, case, graph):
+    per_rank, _ = suites(np_)
+    results = [r[(shape, case.name, graph)] for r in per_rank]
+    if "raises" in results[0]:
+        # An unservable layout (e.g. even kernel, stride 1, 'valid' on a split axis):
+        # every rank must refuse it at build time with the clear error.
+        for r in results:
+            assert r["raises"] is not None, "layer accepted a layout it cannot serve"
+            assert "cannot keep its shards aligned" in r["raises"]
+            assert f"spatial_shape={shape}" in r["raises"]
+        return
+    for rank, r in enumerate(results):
+        failures = {k: v for k, v in r.items() if k not in ("extents", "max_abs_output") and v > 0}
+        assert not failures, f"rank {rank}, extents {r['extents']}: {failures}"
+
+
+@pytest.mark.parametrize("np_", [2, 4, 8])
+def test_mesh_coordinates(suites, np_):
+    per_rank, _ = suites(np_)
+    for shape in MESHES[np_]:
+        from keras_spatial.mesh import Mesh
+
+        mesh = Mesh(np_, shape)
+        for rank, r in enumerate(per_rank):
+            info = r[("mesh", shape)]
+            assert info == {"rank": rank, "coords": mesh.coords(rank), "data_index": mesh.data_index(rank)}
+
+
+def test_world_not_divisible_by_spatial_size_raises(suites):
+    per_rank, _ = suites(4)
+    for r in per_rank:
+        assert r["bad_mesh"] is not None
+        assert "multiple of the spatial size 3" in r["bad_mesh"] and "world_size=4" in r["bad_mesh"]
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_saved_spatial_model_loads_in_one_process_as_whole_volume_model(suites, np_):
+    import keras
+
+    import keras_spatial  # noqa: F401  (registers the layers)
+
+    per_rank, save_dir = suites(np_)
+    for shape in MESHES[np_]:
+        prefix = os.path.join(save_dir, f"stack_{'x'.join(map(str, shape))}")
+        model = keras.saving.load_model(f"{prefix}.keras")
+        data = np.load(f"{prefix}.npz")
+        assert model.input_shape == (None, 16, 16, 16, 2)
+        predicted = model.predict(data["x"], verbose=0)
+        np.testing.assert_allclose(predicted, data["y"], rtol=1e-5, atol=1e-5)
+        assert per_rank[0][("stack", shape)]["global_output_shape"] == predicted.shape

@@ -1,0 +1,125 @@
+"""Halo arithmetic against a direct 1D windowed reduction, with no communication."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from keras_spatial.halo import ShardAlignmentError, Window, plan_axis
+
+
+def _global_window_op(signal, window: Window, fill=0.0):
+    """Correlation with a ones kernel, as TF pads and strides it (the reference)."""
+    extent = len(signal)
+    out = window.output_extent(extent)
+    p = window.pad_before(extent)
+    result = []
+    for o in range(out):
+        taps = [o * window.stride - p + i * window.dilation for i in range(window.kernel)]
+        result.append(sum(signal[t] * (i + 1) if 0 <= t < extent else fill for i, t in enumerate(taps)))
+    return np.array(result)
+
+
+def _sharded_window_op(signal, window: Window, shards: int):
+    """Each shard: its own inputs, extended per the plan, then a local 'valid' op."""
+    plan = plan_axis(len(signal), shards, window)
+    outputs = []
+    for j in range(shards):
+        n0, n1 = plan.needed[j]
+        extended = [signal[i] if 0 <= i < len(signal) else 0.0 for i in range(n0, n1)]
+        assert len(extended) == plan.extended_extent
+        local = Window(window.kernel, window.stride, window.dilation, "valid")
+        out = _global_window_op(np.array(extended), local)
+        assert len(out) == plan.local_output_extent
+        outputs.append(out)
+    return np.concatenate(outputs)
+
+
+CASES = [
+    (extent, shards, Window(k, t, d, pad))
+    for extent, shards, k, t, d, pad in itertools.product(
+        range(12, 25), (2, 3, 4), range(1, 6), (1, 2), (1, 2), ("same", "valid")
+    )
+    if not (t > 1 and d > 1)
+]
+
+
+def _servable(extent, shards, window):
+    out = window.output_extent(extent)
+    return out >= 1 and extent % shards == 0 and out % shards == 0
+
+
+SERVABLE = [c for c in CASES if _servable(*c)]
+
+
+def test_enough_cases_are_servable():
+    assert len(SERVABLE) > 200
+
+
+@pytest.mark.parametrize("extent,shards,window", SERVABLE)
+def test_sharded_op_equals_global_op(extent, shards, window):
+    signal = np.random.default_rng(extent * 100 + shards).standard_normal(extent)
+    np.testing.assert_allclose(
+        _sharded_window_op(signal, window, shards), _global_window_op(signal, window), rtol=1e-12
+    )
+
+
+@pytest.mark.parametrize("extent,shards,window", [c for c in CASES if not _servable(*c)][:40])
+def test_unservable_split_raises(extent, shards, window):
+    with pytest.raises(ShardAlignmentError, match="divisible"):
+        plan_axis(extent, shards, window)
+
+
+def test_mlperf_kernel_two_same_has_asymmetric_halo():
+    plan = plan_axis(128, 2, Window(2, 1, 1, "same"))
+    assert plan.halo(0) == (0, 1)
+    assert plan.halo(1) == (0, 1)
+    assert plan.padding_after(1) == 1 and plan.padding_before(0) == 0
+
+
+def test_stride_two_kernel_one_crops():
+    plan = plan_axis(16, 2, Window(1, 2, 1, "valid"))
+    assert plan.halo(0) == (0, -1)
+    assert plan.kept(0) == (0, 7)
+    assert not plan.exchanges
+
+
+def test_valid_halo_depends_on_shard():
+    plan = plan_axis(16, 2, Window(3, 1, 1, "valid"))
+    assert plan.halo(0) == (0, 1)
+    assert plan.halo(1) == (1, 0)
+    assert plan.transfer(1, 0) == (8, 9)
+    assert plan.transfer(0, 1) == (7, 8)
+
+
+def test_halo_wider_than_a_shard_comes_from_two_neighbours():
+    plan = plan_axis(16, 4, Window(5, 1, 3, "same"))  # reach 6 on each side, shards of 4
+    assert plan.halo(2) == (6, 6)
+    assert plan.transfer(0, 2) == (2, 4)
+    assert plan.transfer(1, 2) == (4, 8)
+    assert plan.transfer(3, 2) == (12, 16)
+    assert plan.padding_after(2) == 2
+
+
+def test_valid_counts_leave_padding_out():
+    plan = plan_axis(8, 2, Window(3, 2, 1, "same"))
+    assert plan.valid_counts(0) + plan.valid_counts(1) == [3, 3, 3, 2]  # TF pads after
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(kernel=0), "kernel"),
+        (dict(kernel=3, stride=0), "stride"),
+        (dict(kernel=3, dilation=-1), "dilation"),
+        (dict(kernel=3, padding="causal"), "padding"),
+    ],
+)
+def test_bad_window_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Window(**kwargs)
+
+
+def test_window_too_large_for_valid_raises():
+    with pytest.raises(ShardAlignmentError, match="larger than the input"):
+        plan_axis(4, 2, Window(5, 1, 1, "valid"))
