@@ -4,17 +4,21 @@ Each sample's volume is split across the ranks of a spatial group; halo exchange
 between neighbours make every layer compute exactly what it would on the whole volume.
 """
 
+from keras_spatial import callbacks
 from keras_spatial import layers
 from keras_spatial.conversion import to_keras_model
 from keras_spatial.errors import SpatialNotSupportedError
 from keras_spatial.layers.core import Input
 from keras_spatial.mesh import Mesh
+from keras_spatial.optimizer import DistributedOptimizer
 from keras_spatial.strategy import SpatialStrategy
 from keras_spatial.strategy import get_strategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DistributedOptimizer",
+    "callbacks",
     "Input",
     "Mesh",
     "SpatialNotSupportedError",

@@ -1,0 +1,150 @@
+"""`DistributedOptimizer`: average gradients over the world, then apply any Keras optimizer."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from keras_spatial import comm
+
+
+@keras.saving.register_keras_serializable(package="keras_spatial")
+class DistributedOptimizer(keras.optimizers.Optimizer):
+    """Wraps a Keras optimizer for hybrid data x spatial training over Horovod.
+
+    Before every update, the gradients of all ranks are averaged over the whole world
+    in one fused (grouped) allreduce — the gradient rule of DESIGN.md, which makes the
+    update exactly the one a single device would compute from the global batch. When
+    the optimizer is built (before the first step of `model.fit`), the variables it will
+    train are broadcast from rank 0, so every rank starts from the same weights; as
+    every rank then applies the same averaged gradients, weights stay identical.
+
+    Any Keras optimizer works (SGD, Adam, AdamW, learning-rate schedules, ...): its
+    state and schedule are the inner optimizer's. Without a multi-rank strategy this is
+    the inner optimizer. Made by `SpatialStrategy.distribute_optimizer(optimizer)`.
+
+    Args:
+        inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
+        name: optional name. Defaults to "distributed_" + the inner optimizer's name.
+
+    Example:
+    ```python
+    model.compile(optimizer=strategy.distribute_optimizer(keras.optimizers.Adam(1e-3)),
+                  loss="mse")
+    ```
+    """
+
+    def __init__(self, inner_optimizer, name=None, **kwargs):
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise ValueError(
+                "DistributedOptimizer wraps a keras.optimizers.Optimizer instance. "
+                f"Received: inner_optimizer={inner_optimizer!r}"
+            )
+        if isinstance(inner_optimizer, DistributedOptimizer):
+            raise ValueError("The optimizer is already a DistributedOptimizer.")
+        super().__init__(learning_rate=0.0, name=name or f"distributed_{inner_optimizer.name}", **kwargs)
+        self.inner_optimizer = inner_optimizer
+        # A restored optimizer (load_model, clone_model) comes with weights that are
+        # already identical wherever the same file was loaded; and it may be built on
+        # one rank only (e.g. rank 0 loading a checkpoint), where a broadcast would hang.
+        self.broadcast_on_build = True
+
+    def _world(self):
+        from keras_spatial.strategy import get_strategy
+
+        strategy = get_strategy()
+        return strategy if strategy is not None and strategy.size > 1 else None
+
+    def build(self, var_list):
+        strategy = self._world()
+        if strategy is not None and self.broadcast_on_build:
+            with tf.init_scope():  # eager, once, even if first built inside a tf.function
+                broadcast_variables(var_list, strategy)
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    def average_gradients(self, grads):
+        """The world average of `grads` (None entries stay None)."""
+        strategy = self._world()
+        if strategy is None:
+            return list(grads)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return list(grads)
+        averaged = comm.grouped_allreduce(
+            [tf.convert_to_tensor(grads[i]) for i in present],
+            strategy.world_process_set,
+            name="ks_gradient_average",
+            op="average",
+        )
+        result = list(grads)
+        for i, g in zip(present, averaged):
+            result[i] = g
+        return result
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if not grads:
+            return
+        if not self.built:
+            trainable_variables = list(trainable_variables)
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        self.inner_optimizer.apply(self.average_gradients(grads), trainable_variables)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise NotImplementedError(
+            "DistributedOptimizer runs on the TensorFlow backend only (stateless_apply is "
+            "for JAX)."
+        )
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        optimizer = cls(inner, **config)
+        optimizer.broadcast_on_build = False
+        return optimizer
+
+
+def broadcast_variables(variables, strategy, root: int = 0) -> None:
+    """Assign rank `root`'s value of every variable on all ranks (eager, collective)."""
+    if strategy is None or strategy.size == 1:
+        return
+    for index, variable in enumerate(variables):
+        value = comm.broadcast(
+            tf.convert_to_tensor(variable), root, strategy.world_process_set,
+            name=f"ks_broadcast_{index}",
+        )
+        variable.assign(value)
