@@ -138,6 +138,19 @@ def extend_to_halo(
         The shard extended (or cropped) to every axis's needed interval, on which a
         'valid' window op gives exactly this shard's outputs.
     """
+    # Axes that exchange nothing (unsplit ones, and split ones whose window stays inside
+    # each shard) only crop and pad: one slice and ONE tf.pad for all of them, instead of
+    # a concatenation (a full copy of the shard) per axis.
+    paddings = [[0, 0] for _ in range(5)]
     for spatial_axis, plan in enumerate(plans):
-        x = extend_axis(x, spatial_axis, plan, mesh, coords, process_set, fill_value, name)
+        me = coords[spatial_axis]
+        if plan.exchanges:
+            x = extend_axis(x, spatial_axis, plan, mesh, coords, process_set, fill_value, name)
+            continue
+        kept, owned = plan.kept(me), plan.owned[me]
+        if kept != owned:
+            x = _slice_axis(x, spatial_axis + 1, kept[0] - owned[0], kept[1] - owned[0])
+        paddings[spatial_axis + 1] = [plan.padding_before(me), plan.padding_after(me)]
+    if any(before or after for before, after in paddings):
+        x = tf.pad(x, paddings, constant_values=tf.constant(fill_value, x.dtype))
     return x
