@@ -281,6 +281,12 @@ class SpatialStrategy:
 
         broadcast_variables(variables, self, root)
 
+    def summary(self, model, print_fn=print) -> list:
+        """Print the layout plan of `model` on this mesh; see `keras_spatial.plan`."""
+        from keras_spatial.plan import summary
+
+        return summary(model, self, print_fn=print_fn)
+
     def distribute_dataset(self, dataset, batch_size: int, **kwargs):
         """A `tf.data.Dataset` of this rank's shards; see
         `keras_spatial.data.distribute_dataset` for the arguments."""

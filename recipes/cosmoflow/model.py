@@ -1,0 +1,198 @@
+"""CosmoFlow models: the paper's network (Oyama et al. 2020, LBANN) and MLPerf HPC's.
+
+Both are built from keras_spatial layers up to a `SpatialFlatten`, then a replicated
+dense head, so the same function gives a spatially split model (inside a strategy's
+`scope()`) and, with no spatial strategy, a model equivalent to plain Keras
+(`keras_spatial.to_keras_model` of it has the same layers and weights).
+
+"paper" (SCIENCE.md, the LBANN application): every conv has kernel 3, 'same', no bias,
+Glorot uniform, then (optional batch norm and) LeakyReLU(0.01); every pool is AVERAGE,
+window 3, stride 2, 'same'. Seven blocks of 16, 32, 64, 128 (conv stride 2), 256, 256, 256
+filters; blocks 1-3 always pool; the pools of blocks 4-7 are applied only while the depth
+extent entering them is above 2. That rule reproduces the table exactly (128^3: blocks 6
+and 7 have no pool; 256^3: block 7 has none; 512^3: all pool) and is the generalisation
+used for every other W in [32, 512] (e.g. 64^3: blocks 5-7 have no pool; 32^3: blocks 4-7
+have none). The last volume is then always 2^3 x 256 = 2048 features, so the parameter
+count is the same at every W: 9,437,636 (4,715,712 conv + 4,721,924 dense; batch norm adds
+2 trainable + 2 statistics per channel). Head: Dropout -> Dense 2048 -> LeakyReLU ->
+Dropout -> Dense 256 -> LeakyReLU -> Dropout -> Dense 4 (linear).
+
+"mlperf" (mlcommons/hpc cosmoflow): 5 x [Conv3D(32*2^i, 3, 'same', bias) -> LeakyReLU(0.3)
+-> MaxPool3D(2)], Flatten, Dense 128 -> LeakyReLU(0.3) -> Dropout(0.5) -> Dense 64 ->
+LeakyReLU(0.3) -> Dropout(0.5) -> Dense 4 tanh -> Rescaling(1.2). W must be a multiple of
+32 (five 2x pools); the first dense layer grows with W ((W/32)^3 x 512 inputs). The input
+is expected as log(1 + counts); that transform belongs to the data pipeline, not the model.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import keras
+
+import keras_spatial as ks
+from keras_spatial import layers as ks_layers
+
+VARIANTS = ("paper", "mlperf")
+MIN_SIZE, MAX_SIZE = 32, 512
+PAPER_FILTERS = (16, 32, 64, 128, 256, 256, 256)
+PAPER_CONV_STRIDES = (1, 1, 1, 2, 1, 1, 1)
+PAPER_ALWAYS_POOLED_BLOCKS = 3
+PAPER_FINAL_EXTENT = 2
+PAPER_DROPOUT = 0.2
+PAPER_NEGATIVE_SLOPE = 0.01
+MLPERF_DROPOUT = 0.5
+MLPERF_NEGATIVE_SLOPE = 0.3
+MLPERF_BLOCKS = 5
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_arguments(input_size, variant, channels, dropout, outputs) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"`variant` must be one of {VARIANTS}. Received: variant={variant!r}")
+    if not _is_int(input_size) or not MIN_SIZE <= input_size <= MAX_SIZE:
+        raise ValueError(
+            f"`input_size` must be an integer from {MIN_SIZE} to {MAX_SIZE} (the paper's "
+            f"table gives 128, 256 and 512). Received: input_size={input_size!r}"
+        )
+    if variant == "mlperf" and input_size % 2**MLPERF_BLOCKS:
+        raise ValueError(
+            f"The 'mlperf' variant pools by 2 five times: `input_size` must be a multiple "
+            f"of {2**MLPERF_BLOCKS} (32, 64, 96, 128, ..., 512). Received: "
+            f"input_size={input_size}, variant='mlperf'"
+        )
+    if not _is_int(channels) or channels < 1:
+        raise ValueError(f"`channels` must be a positive integer. Received: channels={channels!r}")
+    if not _is_int(outputs) or outputs < 1:
+        raise ValueError(f"`outputs` must be a positive integer. Received: outputs={outputs!r}")
+    if dropout is not None and (
+        isinstance(dropout, bool)
+        or not isinstance(dropout, (int, float))
+        or not 0.0 <= dropout < 1.0
+    ):
+        raise ValueError(f"`dropout` must be a number in [0, 1). Received: dropout={dropout!r}")
+
+
+def paper_pooled_blocks(input_size: int) -> tuple[bool, ...]:
+    """Which of the paper model's 7 blocks end with a pool at cubic size `input_size`.
+
+    Blocks 1-3 always pool; blocks 4-7 pool only while the extent entering the pool is
+    above 2 ('same' pooling with stride 2 gives ceil(extent / 2)).
+
+    Example:
+    >>> paper_pooled_blocks(128)
+    (True, True, True, True, True, False, False)
+    """
+    extent, pooled = input_size, []
+    for block, stride in enumerate(PAPER_CONV_STRIDES):
+        extent = -(-extent // stride)
+        pool = block < PAPER_ALWAYS_POOLED_BLOCKS or extent > PAPER_FINAL_EXTENT
+        if pool:
+            extent = -(-extent // 2)
+        pooled.append(pool)
+    return tuple(pooled)
+
+
+def _paper(x, batch_norm: bool, dropout: float, outputs: int, input_size: int):
+    for block, (filters, stride, pool) in enumerate(
+        zip(PAPER_FILTERS, PAPER_CONV_STRIDES, paper_pooled_blocks(input_size)), start=1
+    ):
+        x = ks_layers.SpatialConv3D(
+            filters,
+            3,
+            strides=stride,
+            padding="same",
+            use_bias=False,
+            kernel_initializer="glorot_uniform",
+            name=f"block{block}_conv",
+        )(x)
+        if batch_norm:
+            x = ks_layers.SpatialBatchNormalization(name=f"block{block}_bn")(x)
+        x = keras.layers.LeakyReLU(negative_slope=PAPER_NEGATIVE_SLOPE, name=f"block{block}_lrelu")(x)
+        if pool:
+            x = ks_layers.SpatialAveragePooling3D(3, strides=2, padding="same", name=f"block{block}_pool")(x)
+    x = ks_layers.SpatialFlatten(name="flatten")(x)
+    x = keras.layers.Dropout(dropout, name="head_dropout1")(x)
+    x = keras.layers.Dense(2048, name="head_dense1")(x)
+    x = keras.layers.LeakyReLU(negative_slope=PAPER_NEGATIVE_SLOPE, name="head_lrelu1")(x)
+    x = keras.layers.Dropout(dropout, name="head_dropout2")(x)
+    x = keras.layers.Dense(256, name="head_dense2")(x)
+    x = keras.layers.LeakyReLU(negative_slope=PAPER_NEGATIVE_SLOPE, name="head_lrelu2")(x)
+    x = keras.layers.Dropout(dropout, name="head_dropout3")(x)
+    return keras.layers.Dense(outputs, name="head_output")(x)
+
+
+def _mlperf(x, batch_norm: bool, dropout: float, outputs: int):
+    for block in range(1, MLPERF_BLOCKS + 1):
+        x = ks_layers.SpatialConv3D(32 * 2 ** (block - 1), 3, padding="same", name=f"block{block}_conv")(x)
+        if batch_norm:
+            x = ks_layers.SpatialBatchNormalization(name=f"block{block}_bn")(x)
+        x = keras.layers.LeakyReLU(negative_slope=MLPERF_NEGATIVE_SLOPE, name=f"block{block}_lrelu")(x)
+        x = ks_layers.SpatialMaxPooling3D(2, name=f"block{block}_pool")(x)
+    x = ks_layers.SpatialFlatten(name="flatten")(x)
+    x = keras.layers.Dense(128, name="head_dense1")(x)
+    x = keras.layers.LeakyReLU(negative_slope=MLPERF_NEGATIVE_SLOPE, name="head_lrelu1")(x)
+    x = keras.layers.Dropout(dropout, name="head_dropout1")(x)
+    x = keras.layers.Dense(64, name="head_dense2")(x)
+    x = keras.layers.LeakyReLU(negative_slope=MLPERF_NEGATIVE_SLOPE, name="head_lrelu2")(x)
+    x = keras.layers.Dropout(dropout, name="head_dropout2")(x)
+    x = keras.layers.Dense(outputs, activation="tanh", name="head_output")(x)
+    return keras.layers.Rescaling(1.2, name="head_scale")(x)
+
+
+def build_model(
+    input_size: int = 128,
+    variant: str = "paper",
+    channels: int = 4,
+    batch_norm: bool = False,
+    dropout: Optional[float] = None,
+    outputs: int = 4,
+    name: Optional[str] = None,
+) -> keras.Model:
+    """The CosmoFlow network for a `input_size`^3 x `channels` volume.
+
+    Build it inside `strategy.scope()` for a spatially split model (global shapes are
+    written, each rank holds its shard), or with no spatial strategy for a model that
+    is plain Keras in all but class names.
+
+    Args:
+        input_size: cubic extent W of one sample, an integer in [32, 512] (a multiple
+            of 32 for "mlperf"). Defaults to 128.
+        variant: "paper" (LBANN, 9.4 M parameters at every W) or "mlperf" (MLPerf HPC
+            reference). Defaults to "paper".
+        channels: input channels (redshifts). Defaults to 4.
+        batch_norm: put a `SpatialBatchNormalization` between every conv and its
+            activation. Defaults to False.
+        dropout: dropout rate of the head; None takes the variant's (0.2 "paper",
+            0.5 "mlperf"). Defaults to None.
+        outputs: number of regressed parameters. Defaults to 4.
+        name: model name. Defaults to "cosmoflow_{variant}_{W}".
+
+    Returns:
+        A functional `keras.Model` (uncompiled; the paper trains it with MSE and
+        Adam 1e-3).
+
+    Raises:
+        ValueError: for an unknown variant or an out-of-range argument; under a spatial
+            strategy, also when the mesh cannot keep every layer's shards aligned
+            (see `keras_spatial.plan.plan_for_mesh` to check a mesh beforehand).
+
+    Example:
+    ```python
+    model = build_model(128)                      # 9,437,636 parameters
+    with strategy.scope():                        # e.g. spatial_shape=(2, 1, 1)
+        model = build_model(128, batch_norm=True)
+    ```
+    """
+    _check_arguments(input_size, variant, channels, dropout, outputs)
+    if dropout is None:
+        dropout = PAPER_DROPOUT if variant == "paper" else MLPERF_DROPOUT
+    inputs = ks.Input((input_size,) * 3 + (channels,), name="universe")
+    if variant == "paper":
+        y = _paper(inputs, bool(batch_norm), float(dropout), outputs, input_size)
+    else:
+        y = _mlperf(inputs, bool(batch_norm), float(dropout), outputs)
+    return keras.Model(inputs, y, name=name or f"cosmoflow_{variant}_{input_size}")
