@@ -5,6 +5,7 @@ between neighbours make every layer compute exactly what it would on the whole v
 """
 
 from keras_spatial import callbacks
+from keras_spatial import data
 from keras_spatial import layers
 from keras_spatial.conversion import to_keras_model
 from keras_spatial.errors import SpatialNotSupportedError
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DistributedOptimizer",
     "callbacks",
+    "data",
     "Input",
     "Mesh",
     "SpatialNotSupportedError",
