@@ -49,10 +49,11 @@ from keras_spatial.layers.global_pooling import (
     SpatialGlobalAveragePooling3D,
     SpatialGlobalMaxPooling3D,
 )
+from keras_spatial.layers.gather import SpatialGather
 from keras_spatial.layers.reshaping import SpatialFlatten
 from keras_spatial.layers.spatial_window import SpatialWindowMixin
 
-GATHERING_LAYERS = (SpatialFlatten, SpatialGlobalAveragePooling3D, SpatialGlobalMaxPooling3D)
+GATHERING_LAYERS = (SpatialFlatten, SpatialGather, SpatialGlobalAveragePooling3D, SpatialGlobalMaxPooling3D)
 # Keras layers that mix voxels (or normalize over them): wrong on a shard unless spatial.
 _VOXEL_MIXING_KERAS_LAYERS = (
     keras.layers.Conv3D,
@@ -126,6 +127,13 @@ def _global_shapes(model: keras.Model, spatial_shape: Sequence[int], is_local: b
             is_sharded = False
         else:
             is_sharded = any(id(t) in sharded for t in inputs)
+            if not is_sharded and inputs and isinstance(layer, SpatialWindowMixin):
+                raise ValueError(
+                    f"Layer {layer.name!r} ({type(layer).__name__}) follows a gather: its input "
+                    "is the whole volume on every rank, which it would treat as one shard. "
+                    "Use the plain keras.layers counterpart after SpatialGather. Received: "
+                    f"layer={layer.name!r}, type={type(layer).__name__}"
+                )
             if is_sharded and isinstance(layer, _VOXEL_MIXING_KERAS_LAYERS) and not _is_spatial_class(layer):
                 raise ValueError(
                     f"Layer {layer.name!r} is a plain keras.layers.{type(layer).__name__} on a "

@@ -3,6 +3,7 @@
 from keras_spatial.layers.convolutional import SpatialConv3D
 from keras_spatial.layers.convolutional_transpose import SpatialConv3DTranspose
 from keras_spatial.layers.core import SpatialInputLayer
+from keras_spatial.layers.gather import SpatialGather
 from keras_spatial.layers.global_pooling import SpatialGlobalAveragePooling3D
 from keras_spatial.layers.global_pooling import SpatialGlobalMaxPooling3D
 from keras_spatial.layers.normalization import SpatialBatchNormalization
@@ -19,6 +20,7 @@ __all__ = [
     "SpatialInputLayer",
     "SpatialBatchNormalization",
     "SpatialFlatten",
+    "SpatialGather",
     "SpatialGlobalAveragePooling3D",
     "SpatialGlobalMaxPooling3D",
     "SpatialAveragePooling3D",
