@@ -175,3 +175,14 @@ def test_which_depth_splits_stay_aligned(variant, size, spatial_shape, valid):
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         build_model(**kwargs)
+
+
+def test_gathering_before_block_four_makes_a_four_way_depth_split_valid():
+    with pytest.raises(ValueError, match="cannot keep its shards aligned"):
+        plan_for_mesh(lambda: build_model(64), (4, 1, 1))
+    rows = plan_for_mesh(lambda: build_model(64, gather_before_block=4), (4, 1, 1))
+    assert {r["name"]: r["split"] for r in rows}["block3_pool"] == "sharded"
+    assert {r["name"]: r["split"] for r in rows}["block4_conv"] == "replicated"
+    assert build_model(64, gather_before_block=4).count_params() == build_model(64).count_params()
+    with pytest.raises(ValueError, match="gather_before_block"):
+        build_model(64, gather_before_block=1)

@@ -96,11 +96,16 @@ def paper_pooled_blocks(input_size: int) -> tuple[bool, ...]:
     return tuple(pooled)
 
 
-def _paper(x, batch_norm: bool, dropout: float, outputs: int, input_size: int):
+def _paper(x, batch_norm: bool, dropout: float, outputs: int, input_size: int, gather_before_block=None):
+    conv, pool_layer, flatten = ks_layers.SpatialConv3D, ks_layers.SpatialAveragePooling3D, ks_layers.SpatialFlatten
     for block, (filters, stride, pool) in enumerate(
         zip(PAPER_FILTERS, PAPER_CONV_STRIDES, paper_pooled_blocks(input_size)), start=1
     ):
-        x = ks_layers.SpatialConv3D(
+        if block == gather_before_block:
+            # Stop splitting: the rest of the trunk runs, replicated, on the whole volume.
+            x = ks_layers.SpatialGather(name="gather")(x)
+            conv, pool_layer, flatten = keras.layers.Conv3D, keras.layers.AveragePooling3D, keras.layers.Flatten
+        x = conv(
             filters,
             3,
             strides=stride,
@@ -113,8 +118,8 @@ def _paper(x, batch_norm: bool, dropout: float, outputs: int, input_size: int):
             x = ks_layers.SpatialBatchNormalization(name=f"block{block}_bn")(x)
         x = keras.layers.LeakyReLU(negative_slope=PAPER_NEGATIVE_SLOPE, name=f"block{block}_lrelu")(x)
         if pool:
-            x = ks_layers.SpatialAveragePooling3D(3, strides=2, padding="same", name=f"block{block}_pool")(x)
-    x = ks_layers.SpatialFlatten(name="flatten")(x)
+            x = pool_layer(3, strides=2, padding="same", name=f"block{block}_pool")(x)
+    x = flatten(name="flatten")(x)
     x = keras.layers.Dropout(dropout, name="head_dropout1")(x)
     x = keras.layers.Dense(2048, name="head_dense1")(x)
     x = keras.layers.LeakyReLU(negative_slope=PAPER_NEGATIVE_SLOPE, name="head_lrelu1")(x)
@@ -151,6 +156,7 @@ def build_model(
     dropout: Optional[float] = None,
     outputs: int = 4,
     name: Optional[str] = None,
+    gather_before_block: Optional[int] = None,
 ) -> keras.Model:
     """The CosmoFlow network for a `input_size`^3 x `channels` volume.
 
@@ -170,6 +176,11 @@ def build_model(
             0.5 "mlperf"). Defaults to None.
         outputs: number of regressed parameters. Defaults to 4.
         name: model name. Defaults to "cosmoflow_{variant}_{W}".
+        gather_before_block: "paper" only: gather the volume (`SpatialGather`) before
+            this block (2-7) and run the rest of the trunk with plain Keras layers on the
+            replicated whole volume, as LBANN stops its split before the last pools. Needed
+            for 4-way depth splits, whose last volumes would otherwise go 4 -> 2 across 4
+            shards. Defaults to None (split up to the flatten).
 
     Returns:
         A functional `keras.Model` (uncompiled; the paper trains it with MSE and
@@ -188,11 +199,18 @@ def build_model(
     ```
     """
     _check_arguments(input_size, variant, channels, dropout, outputs)
+    if gather_before_block is not None and (
+        variant != "paper" or not _is_int(gather_before_block) or not 2 <= gather_before_block <= 7
+    ):
+        raise ValueError(
+            "`gather_before_block` must be a block number from 2 to 7 of the 'paper' variant. "
+            f"Received: gather_before_block={gather_before_block!r}, variant={variant!r}"
+        )
     if dropout is None:
         dropout = PAPER_DROPOUT if variant == "paper" else MLPERF_DROPOUT
     inputs = ks.Input((input_size,) * 3 + (channels,), name="universe")
     if variant == "paper":
-        y = _paper(inputs, bool(batch_norm), float(dropout), outputs, input_size)
+        y = _paper(inputs, bool(batch_norm), float(dropout), outputs, input_size, gather_before_block)
     else:
         y = _mlperf(inputs, bool(batch_norm), float(dropout), outputs)
     return keras.Model(inputs, y, name=name or f"cosmoflow_{variant}_{input_size}")
