@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 HOROVODRUN := $(VENV)/bin/horovodrun --gloo -np 2 -H localhost:2
 
-.PHONY: venv test test-fast demo bench-halo clean
+.PHONY: venv test test-fast demo demo-cosmoflow bench-halo clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,9 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(HOROVODRUN) $(PY) tools/demo_layers.py
+
+demo-cosmoflow: $(STAMP)
+	$(PY) tools/demo_cosmoflow.py
 
 bench-halo: $(STAMP)
 	$(HOROVODRUN) $(PY) tools/bench_halo.py
