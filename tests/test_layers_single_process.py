@@ -8,19 +8,9 @@ tf = pytest.importorskip("tensorflow")
 
 import keras_spatial as ks  # noqa: E402
 from tests.distributed.layer_cases import conv_grid, pool_grid  # noqa: E402
-from tests.distributed.layer_workers import build_layer, stack_model  # noqa: E402
+from tests.distributed.layer_workers import build_layer, outputs_and_grads, stack_model  # noqa: E402
 
 CASES = conv_grid() + pool_grid()
-
-
-def _outputs_and_grads(layer, x):
-    x = tf.constant(x)
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = layer(x)
-        loss = tf.reduce_sum(y * y)
-    grads = tape.gradient(loss, [x] + layer.trainable_weights)
-    return [y.numpy()] + [g.numpy() for g in grads]
 
 
 @pytest.mark.parametrize("with_strategy", [False, True], ids=["no-strategy", "strategy-1x1x1"])
@@ -38,7 +28,7 @@ def test_world_size_one_is_exactly_keras(case, with_strategy):
     else:
         spatial.build(shape)
     spatial.set_weights(plain.get_weights())
-    for got, want in zip(_outputs_and_grads(spatial, x), _outputs_and_grads(plain, x)):
+    for got, want in zip(outputs_and_grads(spatial, x), outputs_and_grads(plain, x)):
         np.testing.assert_array_equal(got, want)
 
 

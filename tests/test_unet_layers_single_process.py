@@ -14,17 +14,8 @@ from keras_spatial.layers.convolutional_transpose import (  # noqa: E402
     as_convolution_kernel,
 )
 from keras_spatial.layers.upsampling import SpatialUpSampling3D  # noqa: E402
+from tests.distributed.layer_workers import outputs_and_grads  # noqa: E402
 from tests.distributed.unet_workers import LAYER_CASES, skip_model  # noqa: E402
-
-
-def _outputs_and_grads(layer, x):
-    x = tf.constant(x)
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = layer(x)
-        loss = tf.reduce_sum(y * y)
-    grads = tape.gradient(loss, [x] + layer.trainable_weights)
-    return [y.numpy()] + [g.numpy() for g in grads]
 
 
 @pytest.mark.parametrize("with_strategy", [False, True], ids=["no-strategy", "strategy-1x1x1"])
@@ -44,7 +35,7 @@ def test_world_size_one_is_exactly_keras(case, with_strategy):
     else:
         spatial.build(shape)
     spatial.set_weights(plain.get_weights())
-    for got, want in zip(_outputs_and_grads(spatial, x), _outputs_and_grads(plain, x)):
+    for got, want in zip(outputs_and_grads(spatial, x), outputs_and_grads(plain, x)):
         np.testing.assert_array_equal(got, want)
 
 

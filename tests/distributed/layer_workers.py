@@ -24,6 +24,19 @@ def excess(actual, expected) -> float:
     return float(np.max(np.abs(actual - expected) - (ATOL + RTOL * np.abs(expected))))
 
 
+def outputs_and_grads(layer, x):
+    """Output of `layer` on `x` and the gradients of sum(y^2) for x and the weights."""
+    import tensorflow as tf
+
+    x = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x)
+        loss = tf.reduce_sum(y * y)
+    grads = tape.gradient(loss, [x] + layer.trainable_weights)
+    return [y.numpy()] + [g.numpy() for g in grads]
+
+
 def build_layer(case: Case, spatial: bool):
     import keras
 
