@@ -382,6 +382,45 @@ def plan_writes(
     return to_write, skipped, mismatched
 
 
+def write_planned(
+    jobs: Sequence[Any],
+    *,
+    write: Callable[[Any], Any],
+    path_of: Callable[[Any], str],
+    status_of: Callable[[Any], tuple[str, str]],
+    overwrite: bool,
+    workers: Optional[int],
+    quiet: bool,
+    label: str,
+    describe: Callable[[int, int, int], str],
+) -> int:
+    """What the writer CLIs do once they have their jobs: plan, report, write.
+
+    Plans the writes (`plan_writes`), refuses files of another data set, prints
+    `describe(to_write, skipped, workers)` unless `quiet`, and runs `write` over the
+    jobs left with a progress line labelled `label`.
+
+    Returns:
+        The process exit status: 1 if existing files belong to another data set, else 0.
+    """
+    to_write, skipped, mismatched = plan_writes(
+        jobs, path_of=path_of, status_of=status_of, overwrite=overwrite
+    )
+    if mismatched:
+        print(
+            f"error: {len(mismatched)} existing file(s) belong to another data set; use "
+            "--overwrite or another --out. First: " + "; ".join(mismatched[:3]),
+            file=sys.stderr,
+        )
+        return 1
+    workers = workers or default_workers(len(to_write))
+    if not quiet:
+        print(describe(len(to_write), skipped, workers), file=sys.stderr)
+    progress = ProgressLine(len(to_write), label=label, enabled=not quiet)
+    run_jobs(write, to_write, workers=workers, progress=progress)
+    return 0
+
+
 def resolve_shard(shard_index: Optional[int], num_shards: Optional[int]) -> tuple[int, int]:
     """(shard, shards) from explicit values, else from horovodrun's environment.
 

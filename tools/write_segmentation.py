@@ -25,14 +25,11 @@ import argparse  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
 from recipes import (  # noqa: E402
-    ProgressLine,
     check_seed,
-    default_workers,
     int_argument,
-    plan_writes,
     prepare_output_directory,
     resolve_shard,
-    run_jobs,
+    write_planned,
 )
 from recipes.unet3d import segmentation  # noqa: E402
 
@@ -101,31 +98,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     jobs = segmentation.segmentation_jobs(
         out, seed=args.seed, count=args.count, per_file=args.per_file, config=config
     )[shard::shards]
-    to_write, skipped, mismatched = plan_writes(
+    return write_planned(
         jobs,
+        write=segmentation.write_segmentation,
         path_of=lambda job: job.path,
         status_of=segmentation.segmentation_file_status,
         overwrite=args.overwrite,
-    )
-    if mismatched:
-        print(
-            f"error: {len(mismatched)} existing file(s) belong to another data set; use "
-            "--overwrite or another --out. First: " + "; ".join(mismatched[:3]),
-            file=sys.stderr,
-        )
-        return 1
-    workers = args.workers or default_workers(len(to_write))
-    if not args.quiet:
-        print(
-            f"write_segmentation: {len(to_write)} files to write, {skipped} complete skipped, "
+        workers=args.workers,
+        quiet=args.quiet,
+        label="files",
+        describe=lambda to_write, skipped, workers: (
+            f"write_segmentation: {to_write} files to write, {skipped} complete skipped, "
             f"{args.count} samples of {'x'.join(map(str, config.shape))}, "
             f"{args.per_file} per file, seed={args.seed}, workers={workers}, "
-            f"shard {shard}/{shards} -> {out}",
-            file=sys.stderr,
-        )
-    progress = ProgressLine(len(to_write), label="files", enabled=not args.quiet)
-    run_jobs(segmentation.write_segmentation, to_write, workers=workers, progress=progress)
-    return 0
+            f"shard {shard}/{shards} -> {out}"
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -25,14 +25,11 @@ import argparse  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
 from recipes import (  # noqa: E402
-    ProgressLine,
     check_seed,
-    default_workers,
     int_argument,
-    plan_writes,
     prepare_output_directory,
     resolve_shard,
-    run_jobs,
+    write_planned,
 )
 from recipes.cosmoflow import universe  # noqa: E402
 
@@ -84,33 +81,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         universe.UniverseJob(out, args.seed, index, config)
         for index in range(shard, args.count, shards)
     ]
-    to_write, skipped, mismatched = plan_writes(
+    return write_planned(
         jobs,
+        write=universe.write_universe,
         path_of=lambda job: os.path.join(job.directory, universe.universe_filename(job.index)),
         status_of=lambda job: universe.universe_file_status(
             os.path.join(job.directory, universe.universe_filename(job.index)),
             seed=job.seed, index=job.index, config=job.config,
         ),
         overwrite=args.overwrite,
-    )
-    if mismatched:
-        print(
-            f"error: {len(mismatched)} existing file(s) belong to another data set; use "
-            "--overwrite or another --out. First: " + "; ".join(mismatched[:3]),
-            file=sys.stderr,
-        )
-        return 1
-    workers = args.workers or default_workers(len(to_write))
-    if not args.quiet:
-        print(
-            f"write_universes: {len(to_write)} to write, {skipped} complete skipped, "
+        workers=args.workers,
+        quiet=args.quiet,
+        label="universes",
+        describe=lambda to_write, skipped, workers: (
+            f"write_universes: {to_write} to write, {skipped} complete skipped, "
             f"W={config.size}, box={config.box_size:g} Mpc/h, seed={args.seed}, "
-            f"workers={workers}, shard {shard}/{shards} -> {out}",
-            file=sys.stderr,
-        )
-    progress = ProgressLine(len(to_write), label="universes", enabled=not args.quiet)
-    run_jobs(universe.write_universe, to_write, workers=workers, progress=progress)
-    return 0
+            f"workers={workers}, shard {shard}/{shards} -> {out}"
+        ),
+    )
 
 
 if __name__ == "__main__":
