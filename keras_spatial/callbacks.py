@@ -40,13 +40,21 @@ class MetricAverage(keras.callbacks.Callback):
         super().__init__()
         self.strategy = strategy
 
-    def _average_metric_states(self):
-        if self.strategy.size == 1 or self.model is None:
+    def _average(self, logs, with_metric_states: bool) -> None:
+        """Average the metrics' state variables (optionally) and the numbers in `logs`
+        over the world, in one allreduce."""
+        if self.strategy.size == 1:
             return
-        variables = [v for metric in self.model.metrics for v in metric.variables]
-        if not variables:
+        variables = []
+        if with_metric_states and self.model is not None:
+            variables = [v for metric in self.model.metrics for v in metric.variables]
+        keys = sorted(k for k, v in (logs or {}).items() if _is_number(v))
+        if not variables and not keys:
             return
-        flat = np.concatenate([np.asarray(v.numpy(), np.float64).ravel() for v in variables])
+        flat = np.concatenate(
+            [np.asarray(v.numpy(), np.float64).ravel() for v in variables]
+            + [np.array([float(logs[k]) for k in keys], dtype=np.float64)]
+        )
         averaged = self.strategy.allreduce(flat, op="average", group="world").numpy()
         offset = 0
         for variable in variables:
@@ -54,28 +62,17 @@ class MetricAverage(keras.callbacks.Callback):
             value = averaged[offset : offset + size].reshape(variable.shape)
             variable.assign(value.astype(variable.dtype))
             offset += size
-
-    def _average_logs(self, logs):
-        if not logs or self.strategy.size == 1:
-            return
-        keys = sorted(k for k, v in logs.items() if _is_number(v))
-        if not keys:
-            return
-        values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
-        averaged = self.strategy.allreduce(values, op="average", group="world").numpy()
-        for key, value in zip(keys, averaged):
+        for key, value in zip(keys, averaged[offset:]):
             logs[key] = float(value)
 
     def on_train_batch_end(self, batch, logs=None):
-        self._average_metric_states()
-        self._average_logs(logs)
+        self._average(logs, with_metric_states=True)
 
     def on_test_batch_end(self, batch, logs=None):
-        self._average_metric_states()
-        self._average_logs(logs)
+        self._average(logs, with_metric_states=True)
 
     def on_epoch_end(self, epoch, logs=None):
-        self._average_logs(logs)  # already global; keeps hand-made logs global too
+        self._average(logs, with_metric_states=False)  # already global; keeps hand-made logs global too
 
 
 def _is_number(value) -> bool:
