@@ -105,6 +105,36 @@ def test_many_samples_per_file_with_label_volume(files):
     np.testing.assert_array_equal(replicated.read(6, region)[1], y_full)
 
 
+def test_crop_reads_a_sub_volume_as_if_stored_alone(files):
+    crop = (slice(8, 24), slice(0, 16), slice(16, 32))
+    dataset = ks_data.HDF5Dataset(
+        files["cosmo"], x="full", y="unitPar", channels_first=True, crop=crop
+    )
+    assert dataset.sample_shape == (16, 16, 16, 2) and dataset.crop == crop
+    assert "crop [8:24, 0:16, 16:32]" in repr(dataset)
+    whole = ks_data.HDF5Dataset(files["cosmo"], x="full", y="unitPar", channels_first=True)
+    assert dataset.fingerprint() != whole.fingerprint()
+    x, y = dataset.read(2)
+    np.testing.assert_array_equal(x, cosmo_sample(2)[8:24, 0:16, 16:32].astype(np.float32))
+    np.testing.assert_array_equal(y, cosmo_label(2))
+    x, _ = dataset.read(2, (slice(8, 16), slice(0, 16), slice(4, 12)))
+    np.testing.assert_array_equal(x, cosmo_sample(2)[16:24, 0:16, 20:28].astype(np.float32))
+    with pytest.raises(ValueError, match="inside the sample's extents"):
+        dataset.read(2, (slice(0, 17), slice(0, 16), slice(0, 16)))
+    volumes = ks_data.HDF5Dataset(files["volumes"], x="grp/x", y="grp/y", crop=(slice(0, 8),) * 3)
+    assert volumes.label_shape == (8, 8, 8)
+    x, y = volumes.read(6)
+    x_full, y_full = volume_sample(6)
+    np.testing.assert_array_equal(x, x_full[:8, :8, :8])
+    np.testing.assert_array_equal(y, y_full[:8, :8, :8])
+
+
+@pytest.mark.parametrize("crop", [(slice(0, 33),) * 3, (slice(0, 8),) * 2, (slice(4, 4),) * 3])
+def test_crop_outside_the_sample_is_refused(files, crop):
+    with pytest.raises(ValueError, match="`crop` must be three slices"):
+        ks_data.HDF5Dataset(files["cosmo"], x="full", channels_first=True, crop=crop)
+
+
 def test_files_with_no_samples_are_skipped(tmp_path):
     paths = [str(tmp_path / f"{n}.h5") for n in range(3)]
     for path, count in zip(paths, (2, 0, 3)):

@@ -29,7 +29,9 @@ class _FileContent(NamedTuple):
     y_dtype: Optional[np.dtype]
 
 
-def _check_region(region: Optional[Region], extents: Sequence[int]) -> tuple[slice, ...]:
+def _check_region(
+    region: Optional[Region], extents: Sequence[int], name: str = "region"
+) -> tuple[slice, ...]:
     if region is None:
         return tuple(slice(0, e) for e in extents)
     region = tuple(region)
@@ -43,8 +45,8 @@ def _check_region(region: Optional[Region], extents: Sequence[int]) -> tuple[sli
     )
     if not valid:
         raise ValueError(
-            "`region` must be three slices with integer bounds, (depth, height, width), "
-            f"inside the sample's extents {tuple(extents)}. Received: region={region}."
+            f"`{name}` must be three slices with integer bounds, (depth, height, width), "
+            f"inside the sample's extents {tuple(extents)}. Received: {name}={region}."
         )
     return region
 
@@ -99,6 +101,11 @@ class HDF5Dataset:
             file is opened at construction (useful with very many files on a
             parallel file system); the others are checked when read. Files holding
             many samples are always opened to count their samples. Defaults to True.
+        crop: three slices `(depth, height, width)` with integer bounds: use only this
+            sub-volume of every sample, as if the files held it alone (e.g. 64^3 crops
+            of 128^3 universes: `(slice(0, 64),) * 3`). `sample_shape`, shards and
+            sharded labels are then those of the crop; only the crop's bytes are read.
+            Defaults to None (whole samples).
         open_file: function `path -> h5py.File` used for every open, called from
             tf.data threads. Use it to pass h5py options (a driver, chunk cache size,
             `locking=False`) or to count bytes. Defaults to `open_hdf5`, which opens
@@ -133,6 +140,7 @@ class HDF5Dataset:
         dtype: str = "float32",
         y_dtype: str = "float32",
         check_all_files: bool = True,
+        crop: Optional[Region] = None,
         open_file: Optional[Callable[[str], h5py.File]] = None,
     ):
         self._paths = expand_paths(paths)
@@ -172,6 +180,13 @@ class HDF5Dataset:
             self._channels_first
         ) else stored
         self._y_sharded, self._y_shape = self._label_layout(first, y_sharded)
+        self._crop = None
+        if crop is not None:
+            self._crop = _check_region(crop, self._sample_shape[:3], "crop")
+            extents = tuple(s.stop - s.start for s in self._crop)
+            self._sample_shape = extents + (self._sample_shape[3],)
+            if self._y_sharded:
+                self._y_shape = extents + tuple(self._y_shape[3:])
 
     # Description ------------------------------------------------------------------
     @property
@@ -193,6 +208,11 @@ class HDF5Dataset:
     def sample_shape(self) -> tuple[int, int, int, int]:
         """GLOBAL channels-last shape `(D, H, W, C)` of one input sample."""
         return self._sample_shape
+
+    @property
+    def crop(self) -> Optional[tuple[slice, ...]]:
+        """The sub-volume of every stored sample that is used (None: all of it)."""
+        return self._crop
 
     @property
     def label_shape(self) -> Optional[tuple]:
@@ -236,7 +256,7 @@ class HDF5Dataset:
         text = repr(
             (self._paths, self._x_key, self._y_key, self._channels_first, len(self),
              self._sample_shape, self._y_shape, self._y_sharded, str(self._dtype),
-             str(self._y_dtype))
+             str(self._y_dtype), _format_region(self._crop) if self._crop else None)
         )
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
@@ -248,7 +268,8 @@ class HDF5Dataset:
         return (
             f"HDF5Dataset(files={len(self._paths)}, samples={len(self)}, "
             f"x='{self._x_key}' {self._sample_shape} {self.file_dtype}->{self._dtype}"
-            f"{' channels_first' if self._channels_first else ''}, {labels})"
+            f"{' channels_first' if self._channels_first else ''}"
+            f"{' crop ' + _format_region(self._crop) if self._crop else ''}, {labels})"
         )
 
     # Files ------------------------------------------------------------------------
@@ -394,7 +415,8 @@ class HDF5Dataset:
         Args:
             index: sample index, 0 .. len-1.
             region: three slices `(depth, height, width)` in GLOBAL voxel coordinates
-                of the sample, or None for the whole sample. Defaults to None.
+                of the sample (of the crop, when the dataset has one), or None for the
+                whole sample. Defaults to None.
 
         Returns:
             `(x, y)`: the input shard `(d, h, w, C)` (preprocessed, of `dtype`), and
@@ -407,6 +429,10 @@ class HDF5Dataset:
         """
         index = int(index)
         region = _check_region(region, self._sample_shape[:3])
+        if self._crop is not None:
+            region = tuple(
+                slice(c.start + r.start, c.start + r.stop) for c, r in zip(self._crop, region)
+            )
         path, local = self.locate(index)
         with self._open(path) as file:
             x = self._read_volume(file, path, self._x_key, "x", local, region, True)
