@@ -48,6 +48,16 @@ class MetricAverage(keras.callbacks.Callback):
         variables = []
         if with_metric_states and self.model is not None:
             variables = [v for metric in self.model.metrics for v in metric.variables]
+            for metric in self.model.metrics:
+                for v in metric.variables:
+                    if not np.issubdtype(np.dtype(v.dtype), np.floating):
+                        raise ValueError(
+                            f"Metric {metric.name!r} keeps its state in {v.dtype} variable "
+                            f"{v.name!r}; MetricAverage averages metric states over the ranks "
+                            "and an integer state would be truncated. Create the metric with "
+                            "a float dtype (e.g. dtype='float32'). Received: "
+                            f"metric={type(metric).__name__}, dtype={v.dtype}"
+                        )
         keys = sorted(k for k, v in (logs or {}).items() if _is_number(v))
         if not variables and not keys:
             return
@@ -73,6 +83,66 @@ class MetricAverage(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._average(logs, with_metric_states=False)  # already global; keeps hand-made logs global too
+
+
+class ReplicatedLayerSync(keras.callbacks.Callback):
+    """Skip needless gradient traffic for layers replicated across a spatial group.
+
+    At the start of `fit` it finds the layers that run on gathered, whole volumes
+    (`keras_spatial.plan.replicated_layers`: a dense head after `SpatialFlatten`),
+    (1) gives their Keras random-seed generators (Dropout, GaussianNoise, ...) the state
+    of the first rank of each spatial group, so their random masks agree within a group
+    as on one device (data groups keep their own), and (2) tells the model's
+    `DistributedOptimizer` that their gradients are identical within a spatial group,
+    so they are averaged over data groups only (see
+    `DistributedOptimizer.set_replicated_variables`). Without this callback training is
+    just as exact, but averages those gradients over the whole world and lets each rank
+    draw its own dropout masks in the head.
+
+    `SpatialStrategy.callbacks` adds it. Does nothing on a world of one rank or without
+    a spatial split.
+
+    Args:
+        strategy: the `SpatialStrategy`.
+    """
+
+    def __init__(self, strategy):
+        super().__init__()
+        self.strategy = strategy
+
+    def on_train_begin(self, logs=None):
+        from keras_spatial.optimizer import DistributedOptimizer
+        from keras_spatial.plan import replicated_layers
+
+        if self.strategy.size == 1 or self.strategy.spatial_size == 1 or self.model is None:
+            return
+        layers = replicated_layers(self.model, self.strategy)
+        self._align_seeds(layers)
+        optimizer = getattr(self.model, "optimizer", None)
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer.set_replicated_variables(
+                v for layer in layers for v in layer.trainable_variables
+            )
+
+    def _align_seeds(self, layers) -> None:
+        states = [
+            generator.state
+            for layer in layers
+            for generator in getattr(layer, "_seed_generators", [])
+        ]
+        # Every rank of the world joins, with the same number of states per rank (the
+        # model is the same everywhere).
+        if not states:
+            return
+        first = self.strategy.spatial_index == 0
+        flat = np.concatenate([np.asarray(s.numpy(), np.float64).ravel() for s in states])
+        chosen = self.strategy.allreduce(flat if first else np.zeros_like(flat), "sum", "spatial")
+        chosen = chosen.numpy()
+        offset = 0
+        for state in states:
+            size = int(np.prod(state.shape))
+            state.assign(chosen[offset:offset + size].reshape(state.shape).astype(state.dtype))
+            offset += size
 
 
 def _is_number(value) -> bool:

@@ -23,6 +23,17 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     state and schedule are the inner optimizer's. Without a multi-rank strategy this is
     the inner optimizer. Made by `SpatialStrategy.distribute_optimizer(optimizer)`.
 
+    Replicated weights: the gradients of layers that run on gathered, whole volumes (a
+    dense head after `SpatialFlatten`) are already identical on the ranks of a spatial
+    group, so averaging them over the world is wasted traffic (half of the paper's
+    CosmoFlow parameters). Once told which variables those are
+    (`set_replicated_variables`, done at the start of `fit` by the
+    `keras_spatial.callbacks.ReplicatedLayerSync` callback that
+    `SpatialStrategy.callbacks` adds), their gradients are averaged over the data
+    groups only, and not communicated at all with one data group; the other gradients
+    are still averaged over the world. Until then every gradient is averaged over the
+    world, which is exact too, only slower.
+
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
         name: optional name. Defaults to "distributed_" + the inner optimizer's name.
@@ -48,6 +59,27 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         # already identical wherever the same file was loaded; and it may be built on
         # one rank only (e.g. rank 0 loading a checkpoint), where a broadcast would hang.
         self.broadcast_on_build = True
+        self._replicated_ids: frozenset = frozenset()
+
+    def set_replicated_variables(self, variables) -> None:
+        """Declare the variables whose gradients are identical across a spatial group.
+
+        Their gradients are then averaged over data groups only (see the class
+        docstring). Call before the first training step (the step's graph is built
+        then); `SpatialStrategy.callbacks` does it for `model.fit`. For a custom
+        loop: `optimizer.set_replicated_variables(v for layer in
+        keras_spatial.plan.replicated_layers(model, strategy) for v in
+        layer.trainable_variables)`.
+
+        Declaring a variable whose gradient differs across the spatial group makes the
+        ranks' weights drift apart; the layers of `keras_spatial.plan.replicated_layers`
+        qualify as long as they are deterministic or their random seeds agree across the
+        spatial group (`ReplicatedLayerSync` aligns Keras seed generators).
+
+        Args:
+            variables: an iterable of Keras variables (of the model being trained).
+        """
+        self._replicated_ids = frozenset(id(v) for v in variables)
 
     def _world(self):
         from keras_spatial.strategy import get_strategy
@@ -67,23 +99,38 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def variables(self):
         return self._variables + self.inner_optimizer.variables
 
-    def average_gradients(self, grads):
-        """The world average of `grads` (None entries stay None)."""
+    def average_gradients(self, grads, variables=None):
+        """The average of `grads` over the world (None entries stay None); gradients of
+        variables declared replicated (see `set_replicated_variables`) are averaged over
+        data groups only.
+
+        Args:
+            grads: gradients, one per variable.
+            variables: the variables of `grads`, in the same order; None treats every
+                gradient as one to average over the world. Defaults to None.
+        """
         strategy = self._world()
-        if strategy is None:
-            return list(grads)
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if not present:
-            return list(grads)
-        averaged = comm.grouped_allreduce(
-            [tf.convert_to_tensor(grads[i]) for i in present],
-            strategy.world_process_set,
-            name="ks_gradient_average",
-            op="average",
-        )
         result = list(grads)
-        for i, g in zip(present, averaged):
-            result[i] = g
+        if strategy is None:
+            return result
+        present = [i for i, g in enumerate(grads) if g is not None]
+        replicated = []
+        if variables is not None and self._replicated_ids and strategy.spatial_size > 1:
+            variables = list(variables)
+            replicated = [i for i in present if id(variables[i]) in self._replicated_ids]
+            present = [i for i in present if id(variables[i]) not in self._replicated_ids]
+        groups = [(present, strategy.world_process_set, "ks_gradient_average")]
+        if strategy.data_size > 1:  # with one data group, replicated gradients are final
+            groups.append((replicated, strategy.position_process_set, "ks_replicated_gradient_average"))
+        for indices, process_set, name in groups:
+            if not indices:
+                continue
+            averaged = comm.grouped_allreduce(
+                [tf.convert_to_tensor(grads[i]) for i in indices], process_set, name=name,
+                op="average",
+            )
+            for i, g in zip(indices, averaged):
+                result[i] = g
         return result
 
     def apply(self, grads, trainable_variables=None):
@@ -95,7 +142,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        self.inner_optimizer.apply(self.average_gradients(grads), trainable_variables)
+        trainable_variables = list(trainable_variables or self._trainable_variables)
+        self.inner_optimizer.apply(
+            self.average_gradients(grads, trainable_variables), trainable_variables
+        )
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(

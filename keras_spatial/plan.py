@@ -335,4 +335,34 @@ def summary(model: keras.Model, strategy, print_fn: Callable[[str], Any] = print
     return rows
 
 
-__all__ = ["format_plan", "plan_for_mesh", "summary"]
+def replicated_layers(model: keras.Model, strategy) -> list:
+    """The layers of `model` that compute on replicated (whole, gathered) tensors only.
+
+    On every rank of a spatial group such a layer sees the same inputs and, when it is
+    deterministic, computes the same outputs and the same weight gradients (e.g. the
+    dense head after a `SpatialFlatten` or `SpatialGather`). `DistributedOptimizer`
+    averages those gradients over data groups only (no communication at all when there
+    is one data group), instead of over the whole world.
+
+    Args:
+        model: a functional model built inside `strategy.scope()`.
+        strategy: its `SpatialStrategy`.
+
+    Returns:
+        The layers, in model order (input layers and gathering layers excluded).
+    """
+    shapes, sharded = _global_shapes(
+        model, strategy.spatial_shape, is_local=_is_local_model(model, strategy)
+    )
+    del shapes
+    layers = []
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.InputLayer) or isinstance(layer, GATHERING_LAYERS):
+            continue
+        inputs = _layer_inputs(layer)
+        if inputs and not any(id(t) in sharded for t in inputs):
+            layers.append(layer)
+    return layers
+
+
+__all__ = ["format_plan", "plan_for_mesh", "replicated_layers", "summary"]

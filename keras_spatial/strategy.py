@@ -261,8 +261,10 @@ class SpatialStrategy:
 
         Puts `keras_spatial.callbacks.MetricAverage` first (global loss and metrics in
         the progress bar, History and every later callback, so EarlyStopping stops all
-        ranks together) and keeps file-writing callbacks (ModelCheckpoint, TensorBoard,
-        CSVLogger) on rank 0 only.
+        ranks together), then `keras_spatial.callbacks.ReplicatedLayerSync` (gradients
+        of the replicated head are not averaged inside a spatial group; its dropout
+        masks agree there), and keeps file-writing callbacks (ModelCheckpoint,
+        TensorBoard, CSVLogger) on rank 0 only.
 
         Example:
         ```python
@@ -271,9 +273,13 @@ class SpatialStrategy:
             keras.callbacks.EarlyStopping(patience=2)))
         ```
         """
-        from keras_spatial.callbacks import MetricAverage, rank_zero_callbacks
+        from keras_spatial.callbacks import MetricAverage
+        from keras_spatial.callbacks import ReplicatedLayerSync
+        from keras_spatial.callbacks import rank_zero_callbacks
 
-        return [MetricAverage(self)] + rank_zero_callbacks(callbacks, self.rank)
+        return [MetricAverage(self), ReplicatedLayerSync(self)] + rank_zero_callbacks(
+            callbacks, self.rank
+        )
 
     def broadcast_variables(self, variables, root: int = 0) -> None:
         """Give every rank rank `root`'s values of `variables` (e.g. `model.variables`)."""

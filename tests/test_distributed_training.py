@@ -16,11 +16,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 SUITES = {
     2: [
         ((2, 1, 1), ["fit-voxel-adam", "fit-voxel-sgd-schedule", "fit-cosmoflow-adam", "fit-unet-adam",
-                     "checkpoint", "early-stopping"]),
+                     "checkpoint", "early-stopping", "dropout-head"]),
         ((1, 1, 2), ["fit-voxel-adamw"]),
     ],
     4: [
-        ((2, 1, 1), ["fit-cosmoflow-adam", "fit-unet-adam", "early-stopping"]),  # 2 data groups x 2
+        ((2, 1, 1), ["fit-cosmoflow-adam", "fit-unet-adam", "early-stopping", "dropout-head"]),  # 2 data groups x 2
         ((1, 2, 2), ["fit-cosmoflow-adam", "fit-unet-sgd-schedule", "checkpoint"]),
     ],
 }
@@ -53,7 +53,11 @@ def test_training_matches_one_process(training, np_, shape, run):
     rank0 = results[0]
     assert rank0["moved"] > 1e-3, "training did not change the weights"
     assert rank0["weight_excess"] <= 0, "weights differ from the serial run beyond rtol=atol=1e-4"
+    # The dense head's kernels and biases (after SpatialFlatten) are averaged over data
+    # groups only; the rest over the world.
+    expected_replicated = 4 if "cosmoflow" in run else 0
     for r in results:
+        assert r["replicated"] == expected_replicated
         assert r["spread"] == 0.0, "weights differ between ranks"
         # Reported loss, metrics, validation and evaluate are global, on every rank.
         for key, value in rank0["serial_logs"].items():
@@ -85,6 +89,15 @@ def test_checkpoint_loads_in_one_process_as_whole_volume_model(training, np_, sh
     data = np.load(os.path.join(path, "final.npz"))
     assert model.input_shape == (None, 8, 8, 8, 2)
     np.testing.assert_allclose(model.predict(data["x"], verbose=0), data["y"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("np_,shape", [(2, (2, 1, 1)), (4, (2, 1, 1))])
+def test_dropout_in_the_replicated_head_keeps_ranks_identical(training, np_, shape):
+    per_rank, _ = training(np_)
+    for r in per_rank:
+        result = r[(shape, "dropout-head")]
+        assert result["replicated"] == 4  # two Dense layers: kernel and bias each
+        assert result["spread"] == 0.0, "head weights drifted apart across ranks"
 
 
 @pytest.mark.parametrize("np_,shape", [(2, (2, 1, 1)), (4, (2, 1, 1))])

@@ -61,5 +61,20 @@ def test_callbacks_put_metric_average_first():
     checkpoint = keras.callbacks.ModelCheckpoint("unused.keras")
     callbacks = ks.SpatialStrategy().callbacks(checkpoint)
     assert isinstance(callbacks[0], ks.callbacks.MetricAverage)
-    assert callbacks[1] is checkpoint
+    assert isinstance(callbacks[1], ks.callbacks.ReplicatedLayerSync)
+    assert callbacks[2] is checkpoint
     assert ks.callbacks.rank_zero_callbacks([checkpoint], rank=1) == []
+
+
+def test_replicated_layers_are_the_ones_after_the_gather():
+    from keras_spatial.plan import replicated_layers
+
+    inputs = ks.Input((8, 8, 8, 2))
+    y = ks.layers.SpatialConv3D(2, 3, padding="same", name="conv")(inputs)
+    y = ks.layers.SpatialFlatten(name="flatten")(y)
+    y = keras.layers.Dense(3, name="dense1")(y)
+    y = keras.layers.Dropout(0.5, name="dropout")(y)
+    y = keras.layers.Dense(1, name="dense2")(y)
+    model = keras.Model(inputs, y)
+    names = [layer.name for layer in replicated_layers(model, ks.SpatialStrategy())]
+    assert names == ["dense1", "dropout", "dense2"]

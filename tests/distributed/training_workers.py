@@ -149,6 +149,7 @@ def fit_and_compare(strategy, optimizer_kind="adam", steps=5, per_group=2, size=
     spread = max(float(np.max(np.abs(strategy.allreduce(w, "average").numpy() - w))) for w in weights)
     result = {
         "spread": spread,
+        "replicated": len(model.optimizer._replicated_ids),
         "logs": {k: v[-1] for k, v in history.history.items()},
         "evaluate": evaluated,
     }
@@ -228,6 +229,37 @@ def early_stopping_agrees(strategy, size=8) -> dict:
     return {"epochs": len(history.history["loss"]), "losses": history.history["loss"]}
 
 
+def dropout_head_agrees(strategy, steps=4, per_group=2, size=8) -> dict:
+    """A head with Dropout, different seeds on every rank: after fit, weights must still
+    be identical on all ranks (head seeds aligned within spatial groups, head gradients
+    averaged over data groups only)."""
+    import keras
+
+    import keras_spatial as ks
+
+    keras.utils.set_random_seed(200 + strategy.rank)
+    L = ks.layers
+    global_shape = (size, size, size, 2)
+    with strategy.scope():
+        inputs = ks.Input(global_shape)
+        y = L.SpatialConv3D(4, 3, padding="same", activation="relu")(inputs)
+        y = L.SpatialAveragePooling3D(2)(y)
+        y = L.SpatialFlatten()(y)
+        y = keras.layers.Dropout(0.5)(y)
+        y = keras.layers.Dense(16, activation="relu")(y)
+        y = keras.layers.Dropout(0.5)(y)
+        y = keras.layers.Dense(4)(y)
+        model = keras.Model(inputs, y)
+    _, _, x_rank, y_rank = _data(strategy, global_shape, steps, per_group, seed=3, model_kind="cosmoflow")
+    model.compile(optimizer=strategy.distribute_optimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    model.fit(x_rank, y_rank, batch_size=per_group, epochs=1, shuffle=False, verbose=0,
+              callbacks=strategy.callbacks())
+    weights = model.get_weights()
+    spread = max(float(np.max(np.abs(strategy.allreduce(w, "average").numpy() - w))) for w in weights)
+    strategy.barrier()
+    return {"spread": spread, "replicated": len(model.optimizer._replicated_ids)}
+
+
 def run_training_suite(meshes_and_runs, directory=None) -> dict:
     """For each (spatial_shape, runs): a strategy, then each named run on it."""
     worker_setup()
@@ -247,6 +279,8 @@ def run_training_suite(meshes_and_runs, directory=None) -> dict:
                 results[key] = checkpoint_and_resume(strategy, path)
             elif run == "early-stopping":
                 results[key] = early_stopping_agrees(strategy)
+            elif run == "dropout-head":
+                results[key] = dropout_head_agrees(strategy)
             else:
                 raise ValueError(run)
     strategy.barrier()
