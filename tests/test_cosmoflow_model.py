@@ -186,3 +186,26 @@ def test_gathering_before_block_four_makes_a_four_way_depth_split_valid():
     assert build_model(64, gather_before_block=4).count_params() == build_model(64).count_params()
     with pytest.raises(ValueError, match="gather_before_block"):
         build_model(64, gather_before_block=1)
+
+
+def test_input_standardization_is_a_fixed_first_layer():
+    model = build_model(32, input_mean=[1.0, 2.0, 3.0, 4.0], input_std=2.0)
+    layer = model.get_layer("input_standardization")
+    assert model.count_params() == 9_437_636  # the statistics are constants, not weights
+    assert len(model.trainable_weights) == len(build_model(32).trainable_weights)
+    x = np.full((1, 4, 4, 4, 4), 5.0, np.float32)
+    np.testing.assert_allclose(layer(x).numpy()[0, 0, 0, 0], [2.0, 1.5, 1.0, 0.5], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"input_mean": 1.0}, "go together"),
+        ({"input_mean": [1.0, 2.0], "input_std": 1.0}, "one finite number or 4"),
+        ({"input_mean": 0.0, "input_std": [1.0, 1.0, 0.0, 1.0]}, "must be positive"),
+        ({"input_mean": float("nan"), "input_std": 1.0}, "one finite number"),
+    ],
+)
+def test_bad_standardization(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_model(32, **kwargs)

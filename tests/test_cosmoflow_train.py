@@ -101,3 +101,26 @@ def test_bad_arguments_fail_clearly(tmp_path):
     _write_universes(data, 4, 32)
     result = train("--data", str(data), "--spatial", "2,1,1", "--batch-size", "1", "--epochs", "1")
     assert result.returncode != 0 and "--spatial 2,1,1" in result.stderr, result.stderr
+    result = train("--data", str(data), "--crop", "48", "--batch-size", "1", "--epochs", "1")
+    assert result.returncode != 0 and "--crop 48 is larger than the universes" in result.stderr, result.stderr
+
+
+def test_input_statistics_are_per_channel_moments(tmp_path):
+    import keras_spatial as ks
+    from recipes.cosmoflow.train import input_statistics
+
+    data = tmp_path / "universes"
+    _write_universes(data, 3, 32)
+    paths = sorted(str(p) for p in data.glob("univ_*.h5"))
+    crop = (slice(0, 16),) * 3
+    dataset = ks.data.HDF5Dataset(paths, x="full", y="unitPar", preprocess=np.log1p, crop=crop)
+    mean, std = input_statistics(dataset, count=2)
+    import h5py
+
+    x = []
+    for path in paths[:2]:
+        with h5py.File(path) as f:
+            x.append(np.log1p(f["full"][:16, :16, :16].astype(np.float64)))
+    x = np.stack(x).reshape(-1, 4)
+    np.testing.assert_allclose(mean, x.mean(axis=0), rtol=1e-6)
+    np.testing.assert_allclose(std, x.std(axis=0), rtol=1e-5)

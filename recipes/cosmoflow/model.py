@@ -22,6 +22,12 @@ Dropout -> Dense 256 -> LeakyReLU -> Dropout -> Dense 4 (linear).
 LeakyReLU(0.3) -> Dropout(0.5) -> Dense 4 tanh -> Rescaling(1.2). W must be a multiple of
 32 (five 2x pools); the first dense layer grows with W ((W/32)^3 x 512 inputs). The input
 is expected as log(1 + counts); that transform belongs to the data pipeline, not the model.
+
+Both variants can start with a fixed per-channel standardization (`input_mean`,
+`input_std`: a `keras.layers.Normalization` with constant statistics, voxel by voxel, so
+it runs on shards unchanged). Raw log counts have a mean near log(1 + mean count), about
+4, and the paper's network without batch norm does not get past predicting the mean label
+from them in a short run; standardized inputs train (docs/cosmoflow_claim.md).
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ PAPER_NEGATIVE_SLOPE = 0.01
 MLPERF_DROPOUT = 0.5
 MLPERF_NEGATIVE_SLOPE = 0.3
 MLPERF_BLOCKS = 5
+# Moving statistics decay of the optional batch norm (LBANN's 0.9): short CPU runs take only a
+# few hundred steps, too few for Keras's 0.99 to forget the initial (0, 1) statistics.
+BATCH_NORM_MOMENTUM = 0.9
 
 
 def _is_int(value) -> bool:
@@ -74,6 +83,30 @@ def _check_arguments(input_size, variant, channels, dropout, outputs) -> None:
         or not 0.0 <= dropout < 1.0
     ):
         raise ValueError(f"`dropout` must be a number in [0, 1). Received: dropout={dropout!r}")
+
+
+def _standardization(mean, std, channels: int):
+    if mean is None and std is None:
+        return None
+    if mean is None or std is None:
+        raise ValueError(
+            "`input_mean` and `input_std` go together. "
+            f"Received: input_mean={mean!r}, input_std={std!r}"
+        )
+    values = []
+    for label, given in (("input_mean", mean), ("input_std", std)):
+        flat = [float(v) for v in (given if hasattr(given, "__len__") else [given])]
+        if len(flat) == 1:
+            flat = flat * channels
+        if len(flat) != channels or not all(v == v and abs(v) != float("inf") for v in flat):
+            raise ValueError(
+                f"`{label}` must be one finite number or {channels} (one per channel). "
+                f"Received: {label}={given!r}"
+            )
+        values.append(flat)
+    if min(values[1]) <= 0:
+        raise ValueError(f"`input_std` must be positive. Received: input_std={std!r}")
+    return values[0], values[1]
 
 
 def paper_pooled_blocks(input_size: int) -> tuple[bool, ...]:
@@ -115,7 +148,7 @@ def _paper(x, batch_norm: bool, dropout: float, outputs: int, input_size: int, g
             name=f"block{block}_conv",
         )(x)
         if batch_norm:
-            x = ks_layers.SpatialBatchNormalization(name=f"block{block}_bn")(x)
+            x = ks_layers.SpatialBatchNormalization(momentum=BATCH_NORM_MOMENTUM, name=f"block{block}_bn")(x)
         x = keras.layers.LeakyReLU(negative_slope=PAPER_NEGATIVE_SLOPE, name=f"block{block}_lrelu")(x)
         if pool:
             x = pool_layer(3, strides=2, padding="same", name=f"block{block}_pool")(x)
@@ -134,7 +167,7 @@ def _mlperf(x, batch_norm: bool, dropout: float, outputs: int):
     for block in range(1, MLPERF_BLOCKS + 1):
         x = ks_layers.SpatialConv3D(32 * 2 ** (block - 1), 3, padding="same", name=f"block{block}_conv")(x)
         if batch_norm:
-            x = ks_layers.SpatialBatchNormalization(name=f"block{block}_bn")(x)
+            x = ks_layers.SpatialBatchNormalization(momentum=BATCH_NORM_MOMENTUM, name=f"block{block}_bn")(x)
         x = keras.layers.LeakyReLU(negative_slope=MLPERF_NEGATIVE_SLOPE, name=f"block{block}_lrelu")(x)
         x = ks_layers.SpatialMaxPooling3D(2, name=f"block{block}_pool")(x)
     x = ks_layers.SpatialFlatten(name="flatten")(x)
@@ -157,6 +190,8 @@ def build_model(
     outputs: int = 4,
     name: Optional[str] = None,
     gather_before_block: Optional[int] = None,
+    input_mean=None,
+    input_std=None,
 ) -> keras.Model:
     """The CosmoFlow network for a `input_size`^3 x `channels` volume.
 
@@ -181,6 +216,11 @@ def build_model(
             replicated whole volume, as LBANN stops its split before the last pools. Needed
             for 4-way depth splits, whose last volumes would otherwise go 4 -> 2 across 4
             shards. Defaults to None (split up to the flatten).
+        input_mean: per-channel means (a number or `channels` numbers) subtracted from
+            the input by a first `Normalization` layer with fixed statistics; given
+            together with `input_std`. Defaults to None (no standardization).
+        input_std: per-channel standard deviations (positive) the centred input is
+            divided by. Defaults to None.
 
     Returns:
         A functional `keras.Model` (uncompiled; the paper trains it with MSE and
@@ -209,8 +249,14 @@ def build_model(
     if dropout is None:
         dropout = PAPER_DROPOUT if variant == "paper" else MLPERF_DROPOUT
     inputs = ks.Input((input_size,) * 3 + (channels,), name="universe")
+    x = inputs
+    standardization = _standardization(input_mean, input_std, channels)
+    if standardization is not None:
+        mean, std = standardization
+        x = keras.layers.Normalization(axis=-1, mean=mean, variance=[v * v for v in std],
+                                       name="input_standardization")(x)
     if variant == "paper":
-        y = _paper(inputs, bool(batch_norm), float(dropout), outputs, input_size, gather_before_block)
+        y = _paper(x, bool(batch_norm), float(dropout), outputs, input_size, gather_before_block)
     else:
-        y = _mlperf(inputs, bool(batch_norm), float(dropout), outputs)
+        y = _mlperf(x, bool(batch_norm), float(dropout), outputs)
     return keras.Model(inputs, y, name=name or f"cosmoflow_{variant}_{input_size}")

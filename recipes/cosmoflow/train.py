@@ -7,8 +7,9 @@ Usage (from the repository root)::
     python -m recipes.cosmoflow.train --data data/univ --spatial 1,1,1 --batch-size 2 --epochs 5
 
 Files DIR/univ_*.h5 (`full` [W, W, W, 4] int16 counts, `unitPar` [4] labels, as written
-by tools/write_universes.py) are read as log(1 + counts). They are split in sorted file
-order: the first files train, the last `--validation-fraction` of them validate (the same
+by tools/write_universes.py) are read as log(1 + counts) (only the corner `--crop`^3 of
+each, if given), and the model starts with a fixed per-channel standardization measured on
+the first training files (stored in the model). They are split in sorted file order: the first files train, the last `--validation-fraction` of them validate (the same
 split on every rank). The model (recipes.cosmoflow.model.build_model) is trained with MSE
 and Adam, its gradients averaged over the world; rank 0 writes OUT/model.keras (every
 epoch), OUT/history.json and OUT/loss.png and prints the final validation MSE and MAE next
@@ -26,6 +27,8 @@ import time
 from typing import Optional, Sequence
 
 EXIT_BAD_ARGUMENT = 2
+# Training universes read to measure the input standardization (per-channel mean, std).
+STANDARDIZATION_FILES = 32
 
 
 def _rank_from_environment() -> int:
@@ -112,16 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--size", type=_positive_int("--size"), default=None,
                         help="cubic extent W the model is built for (default: the files'; "
                              "must equal it)")
+    parser.add_argument("--crop", type=_positive_int("--crop"), default=None,
+                        help="train and validate on the corner crop^3 of every universe (e.g. 64 "
+                             "of 128^3 files; only the crop is read); default: whole universes")
+    parser.add_argument("--no-standardize", dest="standardize", action="store_false",
+                        help="feed log(1 + counts) as they are; by default the model starts with "
+                             "a fixed per-channel standardization measured on up to "
+                             f"{STANDARDIZATION_FILES} training files")
     parser.add_argument("--variant", choices=("paper", "mlperf"), default="paper",
                         help="'paper' (Oyama et al., LBANN) or 'mlperf' (default paper)")
     parser.add_argument("--batch-norm", action="store_true",
                         help="batch normalization after every convolution (global statistics)")
-    parser.add_argument("--dropout", type=_rate, default=0.0,
-                        help="dropout rate of the dense head (default 0 = off). Off by default "
-                             "because the head is replicated on the ranks of a spatial group and "
-                             "each rank draws its own dropout mask, so with a rate > 0 the ranks' "
-                             "gradients are for different sub-networks (they are still averaged "
-                             "and weights stay identical, but it is not what one process would do)")
+    parser.add_argument("--dropout", type=_rate, default=None,
+                        help="dropout rate of the dense head (default: the variant's, 0.2 for "
+                             "'paper', 0.5 for 'mlperf'). The head is replicated on the ranks of "
+                             "a spatial group; strategy.callbacks aligns their dropout masks, so "
+                             "a group draws one mask per sample, as one device would")
     parser.add_argument("--validation-fraction", type=_fraction, default=0.25,
                         help="fraction of the files, the last ones in sorted order, used for "
                              "validation (default 0.25; at least 1 file)")
@@ -160,6 +169,30 @@ def validation_batch_size(n_val: int, batch_size: int, data_size: int) -> tuple[
         if b % data_size == 0 and n_val % b == 0:
             return b, True
     return data_size, False
+
+
+def input_statistics(dataset, count: int = None) -> tuple[list, list]:
+    """Per-channel mean and standard deviation of the (preprocessed) inputs of the first
+    `count` samples of `dataset` (float64 sums; the same on every rank)."""
+    import numpy as np
+
+    count = min(len(dataset), count or STANDARDIZATION_FILES)
+    total = total_sq = 0.0
+    voxels = 0
+    for index in range(count):
+        x, _ = dataset.read(index)
+        x = x.astype(np.float64).reshape(-1, x.shape[-1])
+        total = total + x.sum(axis=0)
+        total_sq = total_sq + (x * x).sum(axis=0)
+        voxels += x.shape[0]
+    mean = total / voxels
+    std = np.sqrt(np.maximum(total_sq / voxels - mean * mean, 0.0))
+    if not np.all(std > 0):
+        raise _BadArgument(
+            f"the inputs of the first {count} training universes are constant in some channel "
+            f"(standard deviations {std.tolist()}); use --no-standardize"
+        )
+    return mean.tolist(), std.tolist()
 
 
 def _read_labels(paths: Sequence[str]):
@@ -237,13 +270,22 @@ def run(args: argparse.Namespace) -> dict:
             f"(--batch-size {args.batch_size}); write more universes or lower --batch-size"
         )
 
-    train_files = ks.data.HDF5Dataset(train_paths, x="full", y="unitPar", preprocess=np.log1p)
-    val_files = ks.data.HDF5Dataset(val_paths, x="full", y="unitPar", preprocess=np.log1p)
+    crop = None
+    if args.crop is not None:
+        stored = ks.data.HDF5Dataset(train_paths[:1], x="full", y="unitPar").sample_shape
+        if args.crop > min(stored[:3]):
+            raise _BadArgument(f"--crop {args.crop} is larger than the universes, {stored[:3]}")
+        crop = (slice(0, args.crop),) * 3
+    train_files = ks.data.HDF5Dataset(train_paths, x="full", y="unitPar", preprocess=np.log1p, crop=crop)
+    val_files = ks.data.HDF5Dataset(val_paths, x="full", y="unitPar", preprocess=np.log1p, crop=crop)
     shape = train_files.sample_shape
     if not (shape[0] == shape[1] == shape[2]):
         raise _BadArgument(f"the universes must be cubic. Received: sample shape {shape}")
     if args.size is not None and args.size != shape[0]:
-        raise _BadArgument(f"--size {args.size} but the files hold {shape[0]}^3 universes")
+        raise _BadArgument(
+            f"--size {args.size} but the files hold {shape[0]}^3 universes"
+            + (f" (--crop {args.crop})" if crop else "")
+        )
     if val_files.sample_shape != shape:
         raise _BadArgument(
             f"training and validation files differ in shape: {shape} vs {val_files.sample_shape}"
@@ -256,10 +298,19 @@ def run(args: argparse.Namespace) -> dict:
                                            seed=args.seed, drop_remainder=True)
     val_ds = strategy.distribute_dataset(val_files, batch_size=val_batch, shuffle=False,
                                          drop_remainder=False)
+    dropout = args.dropout
+    if dropout is None:
+        from recipes.cosmoflow.model import MLPERF_DROPOUT, PAPER_DROPOUT
+
+        dropout = PAPER_DROPOUT if args.variant == "paper" else MLPERF_DROPOUT
+    input_mean = input_std = None
+    if args.standardize:
+        input_mean, input_std = input_statistics(train_files)
     try:
         with strategy.scope():
             model = build_model(size, variant=args.variant, channels=shape[3],
-                                batch_norm=args.batch_norm, dropout=args.dropout)
+                                batch_norm=args.batch_norm, dropout=dropout,
+                                input_mean=input_mean, input_std=input_std)
     except ValueError as error:
         raise _BadArgument(str(error)) from None
     model.compile(
@@ -328,11 +379,12 @@ def run(args: argparse.Namespace) -> dict:
             "history": hist,
             "summary": summary,
             "config": {
-                "data": os.path.abspath(data_dir), "size": size, "variant": args.variant,
+                "data": os.path.abspath(data_dir), "size": size, "crop": args.crop,
+                "input_mean": input_mean, "input_std": input_std, "variant": args.variant,
                 "spatial": list(args.spatial), "world_size": strategy.size,
                 "data_groups": strategy.data_size, "batch_size": args.batch_size,
                 "validation_batch_size": val_batch, "epochs": args.epochs,
-                "learning_rate": args.learning_rate, "dropout": args.dropout,
+                "learning_rate": args.learning_rate, "dropout": dropout,
                 "batch_norm": args.batch_norm, "seed": args.seed,
                 "train_files": [os.path.basename(p) for p in train_paths],
                 "validation_files": [os.path.basename(p) for p in val_paths],
