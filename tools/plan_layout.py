@@ -20,19 +20,13 @@ sys.path.insert(0, REPO_ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+from recipes.cli import spatial_argument  # noqa: E402  (after the path and environment)
+
 MODELS = ("cosmoflow",)
-
-
-def _spatial_shape(text: str) -> tuple[int, int, int]:
-    try:
-        shape = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        shape = ()
-    if len(shape) != 3 or any(s < 1 for s in shape):
-        raise argparse.ArgumentTypeError(
-            f"must be three positive integers, e.g. 4,1,1. Received: spatial={text!r}"
-        )
-    return shape
+# No 'x' between the numbers, and this tool's own wording of the error.
+_spatial_shape = spatial_argument(
+    "must be three positive integers, e.g. 4,1,1. Received: spatial={text!r}", separators=","
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

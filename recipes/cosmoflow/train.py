@@ -19,81 +19,15 @@ to the MSE of always predicting the mean training label.
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import sys
-import time
 from typing import Optional, Sequence
 
-EXIT_BAD_ARGUMENT = 2
+from recipes import cli
+from recipes.cli import validation_batch_size  # also importable from here, as before
+
 # Training universes read to measure the input standardization (per-channel mean, std).
 STANDARDIZATION_FILES = 32
-
-
-def _rank_from_environment() -> int:
-    for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
-
-
-def _parse_spatial(text: str) -> tuple[int, int, int]:
-    parts = text.replace("x", ",").split(",")
-    try:
-        shape = tuple(int(p) for p in parts)
-    except ValueError:
-        shape = ()
-    if len(shape) != 3 or any(s < 1 for s in shape):
-        raise argparse.ArgumentTypeError(
-            f"must be three positive integers D,H,W (e.g. 2,1,1). Received: --spatial {text!r}"
-        )
-    return shape
-
-
-def _positive_int(name: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be a positive integer. Received: {name} {text!r}")
-        return value
-
-    return parse
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(
-            f"must be a number strictly between 0 and 1. Received: --validation-fraction {text!r}"
-        )
-    return value
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1). Received: --dropout {text!r}")
-    return value
-
-
-def _learning_rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0.0:
-        raise argparse.ArgumentTypeError(f"must be a positive number. Received: --learning-rate {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,18 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
             "(launch with horovodrun; plain python is one rank and needs --spatial 1,1,1)."
         ),
     )
-    parser.add_argument("--data", required=True, help="directory holding univ_*.h5 files")
-    parser.add_argument("--spatial", type=_parse_spatial, default=(1, 1, 1),
-                        help="spatial split D,H,W of each sample over the ranks of a group "
-                             "(default 1,1,1); the world size must be a multiple of D*H*W")
-    parser.add_argument("--batch-size", type=_positive_int("--batch-size"), required=True,
-                        help="GLOBAL batch (samples per step over all ranks); must be a multiple "
-                             "of the number of data groups (world size / D*H*W)")
-    parser.add_argument("--epochs", type=_positive_int("--epochs"), required=True)
-    parser.add_argument("--size", type=_positive_int("--size"), default=None,
+    cli.add_data_arguments(parser, "univ_*.h5")
+    parser.add_argument("--size", type=cli.positive_int("--size"), default=None,
                         help="cubic extent W the model is built for (default: the files'; "
                              "must equal it)")
-    parser.add_argument("--crop", type=_positive_int("--crop"), default=None,
+    parser.add_argument("--crop", type=cli.positive_int("--crop"), default=None,
                         help="train and validate on the corner crop^3 of every universe (e.g. 64 "
                              "of 128^3 files; only the crop is read); default: whole universes")
     parser.add_argument("--no-standardize", dest="standardize", action="store_false",
@@ -126,51 +53,31 @@ def build_parser() -> argparse.ArgumentParser:
                         help="'paper' (Oyama et al., LBANN) or 'mlperf' (default paper)")
     parser.add_argument("--batch-norm", action="store_true",
                         help="batch normalization after every convolution (global statistics)")
-    parser.add_argument("--dropout", type=_rate, default=None,
+    parser.add_argument("--dropout", type=cli.rate("--dropout"), default=None,
                         help="dropout rate of the dense head (default: the variant's, 0.2 for "
                              "'paper', 0.5 for 'mlperf'). The head is replicated on the ranks of "
                              "a spatial group; strategy.callbacks aligns their dropout masks, so "
                              "a group draws one mask per sample, as one device would")
-    parser.add_argument("--validation-fraction", type=_fraction, default=0.25,
-                        help="fraction of the files, the last ones in sorted order, used for "
-                             "validation (default 0.25; at least 1 file)")
-    parser.add_argument("--learning-rate", type=_learning_rate, default=1e-4,
-                        help="Adam learning rate (default 1e-4: the paper's 1e-3 is for batch 64; "
-                             "at the small batches of a CPU run 1e-3 only learns the mean label, "
-                             "see docs/cosmoflow_claim.md)")
-    parser.add_argument("--out", default=os.path.join("outputs", "cosmoflow"),
-                        help="output directory for model.keras, history.json, loss.png "
-                             "(default outputs/cosmoflow)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the weights and the shuffling (default 0)")
+    cli.add_training_arguments(
+        parser,
+        learning_rate=1e-4,
+        learning_rate_help="Adam learning rate (default 1e-4: the paper's 1e-3 is for batch 64; "
+                           "at the small batches of a CPU run 1e-3 only learns the mean label, "
+                           "see docs/cosmoflow_claim.md)",
+        out=os.path.join("outputs", "cosmoflow"),
+        out_help="output directory for model.keras, history.json, loss.png "
+                 "(default outputs/cosmoflow)",
+    )
     return parser
 
 
-class _BadArgument(Exception):
-    pass
-
-
 def split_files(paths: Sequence[str], validation_fraction: float) -> tuple[list, list]:
-    """Sorted files -> (train, validation): the last round(fraction * N) files (>= 1)
-    validate; at least one file must remain for training."""
-    paths = sorted(paths)
-    n_val = max(1, int(round(validation_fraction * len(paths))))
-    if len(paths) - n_val < 1:
-        raise _BadArgument(
-            f"{len(paths)} file(s) cannot be split into training and validation files "
-            f"(--validation-fraction {validation_fraction} takes {n_val}); write more universes"
-        )
-    return paths[:-n_val], paths[-n_val:]
+    """Sorted universe files -> (train, validation), as `recipes.cli.split_files`.
 
-
-def validation_batch_size(n_val: int, batch_size: int, data_size: int) -> tuple[int, bool]:
-    """The largest multiple of `data_size` <= max(batch_size, data_size) that divides
-    `n_val` (every validation sample seen exactly once), or `data_size` and False when
-    none does (the last batch then repeats a few samples)."""
-    for b in range(max(batch_size, data_size), 0, -1):
-        if b % data_size == 0 and n_val % b == 0:
-            return b, True
-    return data_size, False
+    Raises:
+        recipes.cli.BadArgument: with fewer than two files.
+    """
+    return cli.split_files(paths, validation_fraction, remedy="write more universes")
 
 
 def input_statistics(dataset, count: int = None) -> tuple[list, list]:
@@ -190,7 +97,7 @@ def input_statistics(dataset, count: int = None) -> tuple[list, list]:
     mean = total / voxels
     std = np.sqrt(np.maximum(total_sq / voxels - mean * mean, 0.0))
     if not np.all(std > 0):
-        raise _BadArgument(
+        raise cli.BadArgument(
             f"the inputs of the first {count} training universes are constant in some channel "
             f"(standard deviations {std.tolist()}); use --no-standardize"
         )
@@ -208,66 +115,21 @@ def _read_labels(paths: Sequence[str]):
     return np.stack(labels)
 
 
-def _plot(history: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    epochs = range(1, len(history["loss"]) + 1)
-    for ax, metric, title in ((axes[0], "loss", "MSE"), (axes[1], "mae", "MAE")):
-        if metric in history:
-            ax.plot(epochs, history[metric], "o-", label="training")
-        if "val_" + metric in history:
-            ax.plot(epochs, history["val_" + metric], "s-", label="validation")
-        ax.set_xlabel("epoch")
-        ax.set_ylabel(title)
-        ax.set_title(title)
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def run(args: argparse.Namespace) -> dict:
-    rank0 = _rank_from_environment() == 0
+    rank0 = cli.rank_from_environment() == 0
     data_dir = args.data
-    if not os.path.isdir(data_dir):
-        raise _BadArgument(f"--data {data_dir!r} is not a directory")
-    paths = sorted(glob.glob(os.path.join(data_dir, "univ_*.h5")))
-    if not paths:
-        raise _BadArgument(
-            f"no files univ_*.h5 in --data {data_dir!r} "
-            "(write some with tools/write_universes.py)"
-        )
+    paths = cli.find_data_files(data_dir, "univ_*.h5", "tools/write_universes.py")
     train_paths, val_paths = split_files(paths, args.validation_fraction)
 
     import numpy as np
-    import tensorflow as tf
 
-    local_size = int(os.environ.get("HOROVOD_LOCAL_SIZE", "1") or 1)
-    if local_size > 1:  # ranks share this machine's cores
-        tf.config.threading.set_intra_op_parallelism_threads(max(1, (os.cpu_count() or 1) // local_size))
-        tf.config.threading.set_inter_op_parallelism_threads(2)
+    strategy = cli.spatial_strategy(args.spatial, args.batch_size)
     import keras
 
     import keras_spatial as ks
     from recipes.cosmoflow.model import build_model
-
-    try:
-        strategy = ks.SpatialStrategy(spatial_shape=args.spatial)
-    except ValueError as error:
-        raise _BadArgument(f"--spatial {','.join(map(str, args.spatial))}: {error}") from None
-    if args.batch_size % strategy.data_size:
-        raise _BadArgument(
-            f"--batch-size {args.batch_size} (global) must be a multiple of the number of data "
-            f"groups, {strategy.data_size} (= world size {strategy.size} / spatial "
-            f"{int(np.prod(args.spatial))})"
-        )
     if len(train_paths) < args.batch_size:
-        raise _BadArgument(
+        raise cli.BadArgument(
             f"{len(train_paths)} training file(s) is fewer than one global batch "
             f"(--batch-size {args.batch_size}); write more universes or lower --batch-size"
         )
@@ -276,20 +138,20 @@ def run(args: argparse.Namespace) -> dict:
     if args.crop is not None:
         stored = ks.data.HDF5Dataset(train_paths[:1], x="full", y="unitPar").sample_shape
         if args.crop > min(stored[:3]):
-            raise _BadArgument(f"--crop {args.crop} is larger than the universes, {stored[:3]}")
+            raise cli.BadArgument(f"--crop {args.crop} is larger than the universes, {stored[:3]}")
         crop = (slice(0, args.crop),) * 3
     train_files = ks.data.HDF5Dataset(train_paths, x="full", y="unitPar", preprocess=np.log1p, crop=crop)
     val_files = ks.data.HDF5Dataset(val_paths, x="full", y="unitPar", preprocess=np.log1p, crop=crop)
     shape = train_files.sample_shape
     if not (shape[0] == shape[1] == shape[2]):
-        raise _BadArgument(f"the universes must be cubic. Received: sample shape {shape}")
+        raise cli.BadArgument(f"the universes must be cubic. Received: sample shape {shape}")
     if args.size is not None and args.size != shape[0]:
-        raise _BadArgument(
+        raise cli.BadArgument(
             f"--size {args.size} but the files hold {shape[0]}^3 universes"
             + (f" (--crop {args.crop})" if crop else "")
         )
     if val_files.sample_shape != shape:
-        raise _BadArgument(
+        raise cli.BadArgument(
             f"training and validation files differ in shape: {shape} vs {val_files.sample_shape}"
         )
     size = shape[0]
@@ -314,7 +176,7 @@ def run(args: argparse.Namespace) -> dict:
                                 batch_norm=args.batch_norm, dropout=dropout,
                                 input_mean=input_mean, input_std=input_std)
     except ValueError as error:
-        raise _BadArgument(str(error)) from None
+        raise cli.BadArgument(str(error)) from None
     model.compile(
         optimizer=strategy.distribute_optimizer(keras.optimizers.Adam(args.learning_rate)),
         loss="mse",
@@ -334,29 +196,10 @@ def run(args: argparse.Namespace) -> dict:
         )
     strategy.barrier()
 
-    epoch_times: list = []
-
-    class _Timer(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self._start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            epoch_times.append(time.perf_counter() - self._start)
-
     model_path = os.path.join(out, "model.keras")
-    start = time.perf_counter()
-    history = model.fit(
-        train_ds,
-        validation_data=val_ds,
-        epochs=args.epochs,
-        shuffle=False,
-        callbacks=strategy.callbacks(keras.callbacks.ModelCheckpoint(model_path)) + [_Timer()],
-        verbose=2 if rank0 else 0,
-    )
-    fit_seconds = time.perf_counter() - start
+    hist, epoch_times, fit_seconds = cli.fit(model, strategy, train_ds, val_ds, args.epochs, model_path)
     strategy.barrier()
 
-    hist = {k: [float(v) for v in vals] for k, vals in history.history.items()}
     steps = len(train_paths) // args.batch_size
     summary = {}
     if rank0:
@@ -377,27 +220,13 @@ def run(args: argparse.Namespace) -> dict:
             "train_steps_per_epoch": steps,
             "validation_exact": exact,
         }
-        record = {
-            "history": hist,
-            "summary": summary,
-            "config": {
-                "data": os.path.abspath(data_dir), "size": size, "crop": args.crop,
-                "input_mean": input_mean, "input_std": input_std, "variant": args.variant,
-                "spatial": list(args.spatial), "world_size": strategy.size,
-                "data_groups": strategy.data_size, "batch_size": args.batch_size,
-                "validation_batch_size": val_batch, "epochs": args.epochs,
-                "learning_rate": args.learning_rate, "dropout": dropout,
-                "batch_norm": args.batch_norm, "seed": args.seed,
-                "train_files": [os.path.basename(p) for p in train_paths],
-                "validation_files": [os.path.basename(p) for p in val_paths],
-                "parameters": int(model.count_params()),
-            },
-            "outputs": {"model": model_path, "history": os.path.join(out, "history.json"),
-                        "plot": os.path.join(out, "loss.png")},
+        config = {
+            "data": os.path.abspath(data_dir), "size": size, "crop": args.crop,
+            "input_mean": input_mean, "input_std": input_std, "variant": args.variant,
+            "dropout": dropout, "batch_norm": args.batch_norm,
+            **cli.run_config(args, strategy, val_batch, train_paths, val_paths, model),
         }
-        with open(os.path.join(out, "history.json"), "w") as f:
-            json.dump(record, f, indent=2)
-        _plot(hist, os.path.join(out, "loss.png"))
+        record = cli.write_history(out, hist, summary, config, (("loss", "MSE"), ("mae", "MAE")))
         per_step = (
             f"{min(epoch_times[1:]) / steps:.2f} s/training step (epochs after the first, incl. "
             "validation)" if len(epoch_times) > 1 else f"{epoch_times[0]:.1f} s first epoch"
@@ -416,15 +245,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except _BadArgument as error:
-        if _rank_from_environment() == 0:
-            print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
-        return EXIT_BAD_ARGUMENT
-    return 0
+    """Parses `argv`, trains; returns the exit status (2 for bad arguments)."""
+    return cli.run_main(build_parser(), run, argv)
 
 
 if __name__ == "__main__":
