@@ -28,6 +28,8 @@ from recipes.cli import validation_batch_size  # also importable from here, as b
 
 # Training universes read to measure the input standardization (per-channel mean, std).
 STANDARDIZATION_FILES = 32
+# The paper variant's blocks from this one on run replicated (see --gather-before-block).
+DEFAULT_GATHER_BEFORE_BLOCK = 5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{STANDARDIZATION_FILES} training files")
     parser.add_argument("--variant", choices=("paper", "mlperf"), default="paper",
                         help="'paper' (Oyama et al., LBANN) or 'mlperf' (default paper)")
+    parser.add_argument("--gather-before-block", type=int, choices=(0, 2, 3, 4, 5, 6, 7),
+                        default=None,
+                        help="'paper' only: stop the spatial split before this block and run the "
+                             f"rest replicated (default {DEFAULT_GATHER_BEFORE_BLOCK}, where LBANN "
+                             "stops it: blocks 5-7 hold 94%% of the conv weights but work on 4^3 "
+                             "or smaller volumes at 128^3, so replicating them costs little "
+                             "compute and saves their halo exchanges and gradient allreduce); "
+                             "0 splits every block")
     parser.add_argument("--batch-norm", action="store_true",
                         help="batch normalization after every convolution (global statistics)")
     parser.add_argument("--dropout", type=cli.rate("--dropout"), default=None,
@@ -167,6 +177,14 @@ def run(args: argparse.Namespace) -> dict:
         from recipes.cosmoflow.model import MLPERF_DROPOUT, PAPER_DROPOUT
 
         dropout = PAPER_DROPOUT if args.variant == "paper" else MLPERF_DROPOUT
+    gather_before_block = args.gather_before_block
+    if args.variant != "paper":
+        if gather_before_block:
+            raise cli.BadArgument("--gather-before-block is for --variant paper only")
+        gather_before_block = None
+    elif gather_before_block is None:
+        gather_before_block = DEFAULT_GATHER_BEFORE_BLOCK
+    gather_before_block = gather_before_block or None
     input_mean = input_std = None
     if args.standardize:
         input_mean, input_std = input_statistics(train_files)
@@ -174,7 +192,8 @@ def run(args: argparse.Namespace) -> dict:
         with strategy.scope():
             model = build_model(size, variant=args.variant, channels=shape[3],
                                 batch_norm=args.batch_norm, dropout=dropout,
-                                input_mean=input_mean, input_std=input_std)
+                                input_mean=input_mean, input_std=input_std,
+                                gather_before_block=gather_before_block)
     except ValueError as error:
         raise cli.BadArgument(str(error)) from None
     model.compile(
@@ -224,6 +243,7 @@ def run(args: argparse.Namespace) -> dict:
             "data": os.path.abspath(data_dir), "size": size, "crop": args.crop,
             "input_mean": input_mean, "input_std": input_std, "variant": args.variant,
             "dropout": dropout, "batch_norm": args.batch_norm,
+            "gather_before_block": gather_before_block,
             **cli.run_config(args, strategy, val_batch, train_paths, val_paths, model),
         }
         record = cli.write_history(out, hist, summary, config, (("loss", "MSE"), ("mae", "MAE")))
