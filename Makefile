@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 HOROVODRUN := $(VENV)/bin/horovodrun --gloo -np 2 -H localhost:2
 
-.PHONY: venv test test-fast demo demo-cosmoflow bench-halo clean
+.PHONY: venv test test-fast demo demo-layers claim bench bench-halo clean
 
 venv: $(STAMP)
 
@@ -23,11 +23,22 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not distributed"
 
+# CosmoFlow end to end: synthetic universes, 2-rank spatial training, evaluation table.
 demo: $(STAMP)
+	$(PY) tools/demo_cosmoflow.py
+
+# Exactness of the spatial layers: 2-rank forward+backward against plain Keras.
+demo-layers: $(STAMP)
 	$(HOROVODRUN) $(PY) tools/demo_layers.py
 
-demo-cosmoflow: $(STAMP)
-	$(PY) tools/demo_cosmoflow.py
+# docs/cosmoflow_claim.md: CosmoFlow on 32^3, 64^3 crops and whole 128^3 universes.
+claim: $(STAMP)
+	$(PY) tools/cosmoflow_volume_claim.py
+
+# docs/benchmarks.md: strong scaling and memory (run on an otherwise idle machine).
+bench: $(STAMP)
+	$(PY) tools/bench_scaling.py
+	$(PY) tools/bench_memory.py
 
 bench-halo: $(STAMP)
 	$(HOROVODRUN) $(PY) tools/bench_halo.py

@@ -1,0 +1,630 @@
+"""Benchmark: strong scaling of one training step, spatial vs threads vs data parallel.
+
+Full run (about 20-30 minutes on a quiet 2-core machine; writes the `bench_scaling`
+section of docs/benchmarks.md and docs/bench_scaling.png):
+
+    .venv/bin/python tools/bench_scaling.py
+
+Smoke test (32^3, 2 warm-up and 2 timed steps; writes to a temporary directory unless
+--out/--plot are given):
+
+    .venv/bin/python tools/bench_scaling.py --quick
+
+For each model -- the paper's CosmoFlow at 64^3 and 128^3 and a 3D U-Net (the paper's
+structure at 1/4 of its width) at 64^3 -- it times one training step of ONE sample per
+data group (forward with training=True, MSE loss, backward, Adam update with the fused
+world-average of the gradients) in each configuration:
+
+* 1 rank, 1 thread (the baseline: a plain `python` process, a world of one, no Horovod);
+* 1 rank, 2 threads (the same process with 2 intra-op threads);
+* 2 ranks, spatial 2x1x1 and 1x2x1 (one sample split in depth / in height);
+* 2 ranks, data parallel (spatial 1x1x1, one sample per rank);
+* 4 ranks, spatial 4x1x1 (--four-way), oversubscribed on a 2-core machine. The paper's
+  CosmoFlow cannot split its last volumes 4 ways, so it is gathered before the first
+  block that cannot be split (the config column says which).
+
+Every rank runs ONE TensorFlow intra-op thread and one inter-op thread (set before
+TensorFlow starts) with OMP_NUM_THREADS=1, except the 2-thread configuration. Each
+configuration is a separate job (horovodrun --gloo for several ranks), driven by this
+script. Step time = median over the timed steps of the slowest rank's step (warm-up
+steps excluded). In the same job it then times, with the same shapes and the same code
+paths, (a) the fused gradient allreduce alone (`keras_spatial.comm.grouped_allreduce` of
+tensors shaped like the trainable variables, over the world) and (b) every halo exchange
+of the model alone, forward and backward (each spatial window layer's own
+`_extend` -> `keras_spatial.ops.halo_exchange.extend_to_halo` on a tensor of its local
+input shape, with a random upstream gradient of the extended shape). The shares in the
+table are those isolated medians divided by the step time; overlap with computation is
+not accounted for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as common  # noqa: E402  (sets sys.path and TF's log level first)
+
+SECTION = "bench_scaling"
+DEFAULT_MODELS = "cosmoflow:64,cosmoflow:128,unet:64"
+QUICK_MODELS = "cosmoflow:32,unet:32"
+DEFAULT_PLOT = os.path.join(common.REPO_ROOT, "docs", "bench_scaling.png")
+QUICK_DIRECTORY = os.path.join(tempfile.gettempdir(), "keras_spatial_bench_quick")
+# key -> (label, ranks, threads per rank, spatial shape or None for --four-way)
+CONFIGS = {
+    "serial": ("1 rank, 1 thread", 1, 1, (1, 1, 1)),
+    "threads2": ("1 rank, 2 threads", 1, 2, (1, 1, 1)),
+    "spatial2x1x1": ("spatial 2x1x1", 2, 1, (2, 1, 1)),
+    "spatial1x2x1": ("spatial 1x2x1", 2, 1, (1, 2, 1)),
+    "data2": ("data parallel, 2 ranks (1 sample each)", 2, 1, (1, 1, 1)),
+    "spatial4": (None, 4, 1, None),
+}
+
+
+# Worker (one rank) -------------------------------------------------------------------------
+def _timed(fn, calls: int) -> list[float]:
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _halo_exchange_fn(strategy, model, seed: int):
+    """(callable running every halo exchange of `model` forward+backward once, number of
+    spatial window layers, number of them that receive planes from a neighbour)."""
+    import numpy as np
+    import tensorflow as tf
+
+    from keras_spatial.layers.pooling import SpatialMaxPooling3D
+    from keras_spatial.layers.spatial_window import SpatialWindowMixin
+
+    rng = np.random.default_rng(seed)
+    layers, inputs, upstream = [], [], []
+    for layer in model.layers:
+        if not isinstance(layer, SpatialWindowMixin) or getattr(layer, "_blockwise", False):
+            continue
+        shape = (1,) + tuple(layer.input.shape[1:])
+        plans = layer._axis_plans(strategy, shape)
+        fill = float("-inf") if isinstance(layer, SpatialMaxPooling3D) else 0.0
+        extended = (1,) + tuple(p.extended_extent for p in plans) + (shape[-1],)
+        layers.append((layer, plans, fill, any(p.exchanges for p in plans)))
+        inputs.append(tf.constant(rng.standard_normal(shape).astype("float32")))
+        upstream.append(tf.constant(rng.standard_normal(extended).astype("float32")))
+    if not layers:
+        return None, 0, 0
+
+    @tf.function(jit_compile=False)
+    def exchange(xs, gs):
+        # As in the model, one exchange at a time: forward in layer order, then backward
+        # in reverse order, each after the previous one finished (control dependencies).
+        # Independent exchanges in one graph would otherwise be negotiated by Horovod
+        # together and hide the per-collective latency the real step pays.
+        tapes, extended, previous = [], [], []
+        for (layer, plans, fill, _), x in zip(layers, xs):
+            with tf.control_dependencies(previous), tf.GradientTape() as tape:
+                tape.watch(x)
+                extended.append(layer._extend(x, strategy, plans, fill))
+            tapes.append(tape)
+            previous = [extended[-1]]
+        grads = [None] * len(xs)
+        for index in reversed(range(len(xs))):
+            with tf.control_dependencies(previous):
+                grads[index] = tapes[index].gradient(extended[index], xs[index], output_gradients=gs[index])
+            previous = [grads[index]]
+        # Tiny reads of every forward and backward result keep all of them in the graph.
+        return tf.add_n([tf.reduce_sum(t[:1, :1, :1, :1, :1]) for t in extended + grads])
+
+    return (lambda: exchange(inputs, upstream).numpy()), len(layers), sum(e for *_, e in layers)
+
+
+def _allreduce_fn(optimizer, variables, seed: int):
+    """A callable running the step's gradient averaging once on gradient-shaped tensors:
+    `DistributedOptimizer.average_gradients`, the very code of the step (the world
+    average, except for variables declared replicated, averaged over data groups only)."""
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    tensors = [tf.constant(rng.standard_normal(v.shape).astype("float32")) for v in variables]
+
+    @tf.function(jit_compile=False)
+    def allreduce(ts):
+        averaged = optimizer.average_gradients(ts, variables)
+        return tf.add_n([tf.reduce_sum(tf.reshape(t, [-1])[:1]) for t in averaged])
+
+    return lambda: allreduce(tensors).numpy()
+
+
+def worker(spec: dict) -> None:
+    common.configure_threads(spec["threads"])
+    import numpy as np
+
+    import keras_spatial as ks
+
+    strategy = ks.SpatialStrategy(tuple(spec["spatial"]))
+    if strategy.size != spec["ranks"]:
+        raise RuntimeError(f"expected {spec['ranks']} ranks, the launcher started {strategy.size}")
+    talk = strategy.rank == 0
+
+    def say(text: str) -> None:
+        if talk:
+            print(f"    {text}", flush=True)
+
+    training = common.make_training_step(strategy, spec, spec["optimizer"], seed=strategy.rank)
+    say(f"{training.model.name}: {training.model.count_params():,} parameters, local input "
+        f"{common.shape_text(training.x.shape[1:])}")
+    for index in range(spec["warmup"]):
+        start = time.perf_counter()
+        loss = training.run()
+        say(f"warm-up {index + 1}/{spec['warmup']}: {time.perf_counter() - start:.3f} s (loss {loss:.4g})")
+    common.barrier(strategy, "steps")
+    step_times, cpu_times, losses = [], [], []
+    for index in range(spec["steps"]):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        losses.append(training.run())
+        step_times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)  # all threads of this process
+        say(f"step {index + 1}/{spec['steps']}: {step_times[-1]:.3f} s "
+            f"(this process used {cpu_times[-1] / step_times[-1]:.2f} cores)")
+    if not np.all(np.isfinite(losses)):
+        raise RuntimeError(f"non-finite loss on rank {strategy.rank}: {losses}")
+
+    repeats = spec["component_repeats"]
+    allreduce_times = halo_times = None
+    if strategy.size > 1:
+        run_allreduce = _allreduce_fn(training.optimizer, training.model.trainable_variables, strategy.rank)
+        run_allreduce(), run_allreduce()  # trace, warm up
+        common.barrier(strategy, "allreduce")
+        allreduce_times = _timed(run_allreduce, repeats)
+        say(f"gradient allreduce alone: median {common.median(allreduce_times):.4f} s (this rank)")
+    window_layers = exchanging_layers = 0
+    if strategy.is_spatial:
+        run_halo, window_layers, exchanging_layers = _halo_exchange_fn(strategy, training.model, strategy.rank)
+        if run_halo is not None:
+            run_halo(), run_halo()
+            common.barrier(strategy, "halo")
+            halo_times = _timed(run_halo, repeats)
+            say(f"halo exchanges alone ({exchanging_layers} of {window_layers} window layers exchange): "
+                f"median {common.median(halo_times):.4f} s (this rank)")
+    replicated = training.optimizer._replicated_ids if strategy.data_size == 1 else frozenset()
+    gradient_bytes = 4 * sum(int(np.prod(v.shape)) for v in training.model.trainable_variables
+                             if id(v) not in replicated)
+    result = {
+        "rank": strategy.rank,
+        "step_times": step_times,
+        "cpu_times": cpu_times,
+        "allreduce_times": allreduce_times,
+        "halo_times": halo_times,
+        "window_layers": window_layers,
+        "exchanging_layers": exchanging_layers,
+        "parameters": int(training.model.count_params()),
+        "gradient_bytes": gradient_bytes,
+        "local_input": list(training.x.shape[1:]),
+        "losses": losses,
+    }
+    results = common.gather_results(strategy, result, "scaling")
+    if talk:
+        common.write_result(spec, results)
+
+
+# Driver ----------------------------------------------------------------------------------
+def _slowest_rank_median(per_rank: list[list[float]]) -> float:
+    """Median over calls of the slowest rank's time of each call."""
+    return common.median([max(times) for times in zip(*per_rank)])
+
+
+def summarize(spec: dict, per_rank: list[dict]) -> dict:
+    step = _slowest_rank_median([r["step_times"] for r in per_rank])
+    row = dict(spec, step=step, samples_per_step=spec["ranks"] // spec["spatial_size"],
+               parameters=per_rank[0]["parameters"], gradient_bytes=per_rank[0]["gradient_bytes"],
+               window_layers=per_rank[0]["window_layers"], exchanging_layers=per_rank[0]["exchanging_layers"],
+               local_input=per_rank[0]["local_input"])
+    row["allreduce"] = (_slowest_rank_median([r["allreduce_times"] for r in per_rank])
+                        if per_rank[0]["allreduce_times"] else None)
+    row["halo"] = (_slowest_rank_median([r["halo_times"] for r in per_rank])
+                   if per_rank[0]["halo_times"] else None)
+    # Cores each rank kept busy during its steps (all its threads), averaged over ranks.
+    row["cpu_use"] = common.median([
+        sum(cpu / wall for cpu, wall in zip(cpus, walls)) / len(per_rank)
+        for cpus, walls in zip(zip(*(r["cpu_times"] for r in per_rank)), zip(*(r["step_times"] for r in per_rank)))
+    ])
+    return row
+
+
+def _config_label(spec: dict, cores: int) -> str:
+    label = spec["label"]
+    if spec.get("gather_before_block"):
+        label += f" (gathered before block {spec['gather_before_block']})"
+    if spec["ranks"] * spec["threads"] > cores:
+        label += f", oversubscribed ({spec['ranks']} ranks on {cores} cores)"
+    return label
+
+
+def _model_key(spec: dict) -> tuple[str, int]:
+    return spec["model"], spec["size"]
+
+
+def _baseline(rows: list[dict], spec: dict):
+    for row in rows:
+        if row["key"] == "serial" and _model_key(row) == _model_key(spec) and "step" in row:
+            return row
+    return None
+
+
+def _percent(part, whole) -> str:
+    return "—" if part is None else f"{100 * part / whole:.1f}%"
+
+
+def add_speedups(rows: list[dict]) -> None:
+    for row in rows:
+        base = _baseline(rows, row)
+        if "step" not in row or base is None:
+            continue
+        row["samples_per_s"] = row["samples_per_step"] / row["step"]
+        row["speedup"] = row["samples_per_s"] / (base["samples_per_step"] / base["step"])
+        row["efficiency"] = row["speedup"] / (row["ranks"] * row["threads"])
+
+
+def table_rows(rows: list[dict], cores: int) -> list[list[str]]:
+    out = []
+    for row in rows:
+        head = [common.model_label(row), f"{row['size']}^3", _config_label(row, cores),
+                f"{row['ranks']} x {row['threads']}"]
+        if "step" not in row:
+            out.append(head + [f"FAILED: {row['error']}"] + ["—"] * 6 + [f"{row['load']:.1f}"])
+            continue
+        relative = [f"{row[key]:.2f}" if key in row else "—" for key in ("speedup", "efficiency", "samples_per_s")]
+        out.append(head + [
+            f"{row['step']:.3f}", *relative, _percent(row["halo"], row["step"]),
+            _percent(row["allreduce"], row["step"]), f"{row['cpu_use']:.2f}", f"{row['load']:.1f}",
+        ])
+    return out
+
+
+HEADER = [
+    "model", "size", "config", "ranks x threads", "step time (s)", "speedup vs 1 rank 1 thread",
+    "efficiency", "samples/s", "halo exchange share", "gradient allreduce share",
+    "cores busy per rank", "load before",
+]
+
+
+def _model_name(rows: list[dict], model: str, size: int) -> str:
+    row = next(r for r in rows if _model_key(r) == (model, size))
+    return f"{common.model_label(row)} {size}^3"
+
+
+def _find(rows, model, size, key):
+    for row in rows:
+        if row["model"] == model and row["size"] == size and row["key"] == key and "step" in row:
+            return row
+    return None
+
+
+def evaluate_targets(rows: list[dict]) -> list[str]:
+    lines = []
+    busiest = max(r["load"] for r in rows)
+    if busiest > 0.5 * common.usable_cores():
+        lines.append(
+            f"- **Caution: the 1-minute load average reached {busiest:.1f} on {common.usable_cores()} "
+            "cores during this run: other processes shared the machine, and multi-rank steps "
+            "suffer most (every collective waits for the rank that was descheduled). Rerun on a "
+            "quiet machine before trusting these verdicts.**"
+        )
+    sizes = sorted({r["size"] for r in rows if r["model"] == "cosmoflow"})
+    if 128 in sizes:
+        for key in ("spatial2x1x1", "spatial1x2x1"):
+            row = _find(rows, "cosmoflow", 128, key)
+            if row is None or "efficiency" not in row:
+                lines.append(f"- CosmoFlow 128^3, {key}: not measured (see the table).")
+                continue
+            verdict = "MET" if row["efficiency"] >= 0.85 else "NOT MET"
+            lines.append(
+                f"- 2-way efficiency >= 0.85 at 128^3 (speedup >= 1.7), CosmoFlow {row['label']}: "
+                f"speedup {row['speedup']:.2f}, efficiency {row['efficiency']:.2f} -> **{verdict}**."
+            )
+    else:
+        lines.append("- 2-way efficiency >= 0.85 at 128^3: **not evaluated** (no 128^3 model in this run).")
+    for model, size in sorted({_model_key(r) for r in rows}):
+        split, threads = _find(rows, model, size, "spatial2x1x1"), _find(rows, model, size, "threads2")
+        name = _model_name(rows, model, size)
+        if split is None or threads is None:
+            lines.append(f"- 2x1x1 no slower than 1 rank x 2 threads, {name}: not measured.")
+            continue
+        verdict = "MET" if split["step"] <= threads["step"] else "NOT MET"
+        lines.append(
+            f"- 2x1x1 step no slower than 1 rank x 2 threads, {name}: {split['step']:.3f} s vs "
+            f"{threads['step']:.3f} s (ratio {split['step'] / threads['step']:.2f}) -> **{verdict}**."
+        )
+    return lines
+
+
+def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
+    cores = common.usable_cores()
+    unet = [r for r in rows if r["model"] == "unet" and "parameters" in r]
+    lines = [
+        "## Strong scaling of one training step (`tools/bench_scaling.py`)",
+        "",
+    ]
+    if args.quick:
+        lines += ["**QUICK MODE (smoke test at 32^3 with 2 timed steps): these numbers check that the "
+                  "tool works; they are not benchmark results.**", ""]
+    lines += [
+        f"Command: `{command}`  ",
+        f"Date: {common.today()}  ",
+        f"Machine: {common.machine_line()}  ",
+        f"Versions: {common.versions()}",
+        "",
+        f"One training step of ONE sample per data group: forward (training=True), MSE loss, "
+        f"backward, {args.optimizer.capitalize()} update after the fused world-average of the gradients "
+        f"(`strategy.distribute_optimizer`), in a `tf.function`. Step time = median over {args.steps} "
+        f"timed steps of the slowest rank's step ({args.warmup} warm-up steps excluded). Each rank "
+        "uses one TensorFlow intra-op thread and one inter-op thread (OMP_NUM_THREADS=1) except "
+        "\"1 rank, 2 threads\" (2 intra-op threads); Horovod's background thread comes on top. "
+        "One-rank configurations are plain `python` processes (no Horovod); the others run under "
+        "`horovodrun --gloo` on this machine.",
+        "",
+        *common.markdown_table(HEADER, table_rows(rows, cores)),
+        "",
+        "- *speedup*: samples/s over the samples/s of 1 rank with 1 thread for the same model and "
+        "size (for one sample per step this is the step-time ratio; the data-parallel run processes "
+        "2 samples per step). *efficiency* = speedup / (ranks x threads), i.e. per core used.",
+        "- *halo exchange share*, *gradient allreduce share*: the median time of the component run "
+        f"ALONE ({args.component_repeats} calls, slowest rank per call), divided by the step time. The "
+        "components are timed in the same job with exactly the step's shapes: the gradient "
+        "allreduce is `keras_spatial.comm.grouped_allreduce` of tensors shaped like the trainable "
+        "variables over the world (as `DistributedOptimizer` does); the halo exchanges are every "
+        "spatial window layer's own exchange (`layer._extend`, i.e. `extend_to_halo`: alltoall of "
+        "the halo planes, assembling the extended shard, global zero padding) forward AND backward "
+        "(the adjoint alltoall), on tensors of the layer's local input shape, one exchange after "
+        "the other as in the model (forward in layer order, backward in reverse). Shares are "
+        "these isolated times divided by the step time; overlap with computation is not "
+        "accounted for, so a share says how long the component takes on its own, not how much "
+        "of the step it really occupies. Not isolated: the gather before the dense head "
+        "(`SpatialFlatten`/`SpatialGather`), the U-Net's batch-norm statistics allreduces, and "
+        "waiting for the slowest rank. '—': the configuration has no such communication.",
+        "- Models: CosmoFlow is `recipes.cosmoflow.model.build_model(W, 'paper')` (9.4 M "
+        "parameters, no batch norm, dropout 0.2 in the head). On 4 ranks split 4x1x1 its last "
+        "volumes (2^3 or 4^3) cannot be split 4 ways, so the volume is gathered before the "
+        "first block that cannot (`gather_before_block`, chosen by the layout plan; the "
+        "remaining blocks then run replicated on every rank).",
+    ]
+    if unet and unet[0]["unet_builder"] == "recipe":
+        row = unet[0]
+        lines.append(
+            f"- The U-Net is `recipes.unet3d.model.build_model(depth=3, base_filters="
+            f"{row['unet_filters']}, batch_norm=True)` (the paper's structure at base width "
+            f"{row['unet_filters']} instead of 32, {row['parameters']:,} parameters); MSE against a "
+            "random per-voxel target (the timing, not the task, matters here)."
+        )
+    elif unet:
+        row = unet[0]
+        lines.append(
+            f"- The U-Net is `bench_common.build_unet`: the paper's structure (3 levels of two "
+            f"[conv 3^3 -> synchronized SpatialBatchNormalization -> ReLU] and a 2^3 max pool, "
+            f"transposed conv 2^3/2 up, skip concatenation, 1^3 conv to 3 classes, softmax) with "
+            f"base width {row['unet_filters']} instead of 32 ({row['parameters']:,} parameters); "
+            "MSE against a random per-voxel target (the timing, not the task, matters here)."
+        )
+    lines += [
+        "- *cores busy per rank*: CPU time of the rank's process (all its threads) during a "
+        "step over the step's wall time, median over steps, mean over ranks. About the thread "
+        "count on a quiet machine; clearly below it, the rank waited (for a collective, for "
+        "the other rank) or was starved of a core by other processes.",
+        f"- The machine has {cores} cores: runs with more ranks x threads than cores are "
+        "oversubscribed and show core sharing, not scaling. *load before*: the 1-minute load "
+        "average when the configuration started; well above 0 means other jobs shared the "
+        "machine and the numbers are indicative only.",
+        "",
+        "### Targets",
+        "",
+        *(["(Quick mode: the verdicts below only show the evaluation works; 32^3 numbers do not "
+           "count for targets set at 64^3 and 128^3.)", ""] if args.quick else []),
+        *evaluate_targets(rows),
+        "",
+        f"Plot: `{os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.out)))}` (step time per "
+        "configuration; speedup vs cores used).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str, quick: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in rows if "step" in r]
+    models = sorted({_model_key(r) for r in measured}, key=lambda k: (k[0], k[1]))
+    keys = [k for k in CONFIGS if any(r["key"] == k for r in measured)]
+    fig, (ax_time, ax_speed) = plt.subplots(1, 2, figsize=(13, 6))
+    width = 0.8 / max(len(keys), 1)
+    for index, key in enumerate(keys):
+        heights = [(_find(measured, m, s, key) or {}).get("step", 0.0) for m, s in models]
+        label = next(r["label"] for r in measured if r["key"] == key)
+        ax_time.bar([i + index * width for i in range(len(models))], heights, width, label=label)
+    ax_time.set_xticks([i + width * (len(keys) - 1) / 2 for i in range(len(models))])
+    ax_time.set_xticklabels([_model_name(measured, m, s).replace(") ", ")\n") for m, s in models], fontsize=8)
+    ax_time.set_yscale("log")
+    ax_time.set_ylabel("step time (s), log scale")
+    ax_time.set_title("One training step of one sample per data group")
+    ax_time.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    markers = {"serial": "o", "threads2": "s", "spatial2x1x1": "^", "spatial1x2x1": "v", "data2": "D", "spatial4": "*"}
+    top = 1
+    for model, size in models:
+        points = [r for r in measured if _model_key(r) == (model, size) and "speedup" in r]
+        line = None
+        for r in sorted(points, key=lambda r: r["ranks"] * r["threads"]):
+            workers = r["ranks"] * r["threads"]
+            top = max(top, workers)
+            line = ax_speed.plot(workers, r["speedup"], markers[r["key"]], markersize=8,
+                                 color=line[0].get_color() if line else None,
+                                 fillstyle="none" if workers > common.usable_cores() else "full")
+        if line:
+            spatial = sorted((r for r in points if r["key"] in ("serial", "spatial2x1x1", "spatial4")),
+                             key=lambda r: r["ranks"])
+            ax_speed.plot([r["ranks"] for r in spatial], [r["speedup"] for r in spatial], "-",
+                          color=line[0].get_color(), label=f"{common.model_label(points[0])} {size}^3")
+    ax_speed.plot([1, top], [1, top], "k--", linewidth=0.8, label="ideal")
+    for key, marker in markers.items():
+        if key in keys:
+            ax_speed.plot([], [], marker, color="gray", label=next(r["label"] for r in measured if r["key"] == key))
+    ax_speed.set_xlabel("cores used (ranks x threads); hollow = oversubscribed")
+    ax_speed.set_ylabel("speedup vs 1 rank, 1 thread (samples/s)")
+    ax_speed.set_title("Speedup (lines: 1 -> 2x1x1 -> 4-rank spatial)")
+    ax_speed.legend(fontsize=7, loc="upper left")
+    if quick:
+        fig.suptitle("QUICK MODE smoke test (32^3, 2 steps): not benchmark numbers", color="red")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="full run:    .venv/bin/python tools/bench_scaling.py\n"
+               "smoke test:  .venv/bin/python tools/bench_scaling.py --quick",
+    )
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated model:size pairs (models: {', '.join(common.MODELS)}); "
+                             f"default {DEFAULT_MODELS} ({QUICK_MODELS} with --quick)")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated configurations out of {', '.join(CONFIGS)} (default: all)")
+    parser.add_argument("--four-way", type=common.spatial_shape_arg, default=(4, 1, 1),
+                        help="spatial shape of the 4-rank configuration (default 4,1,1; e.g. 2,2,1)")
+    parser.add_argument("--warmup", type=common.positive_int, default=None, help="warm-up steps (default 3; 2 with --quick)")
+    parser.add_argument("--steps", type=common.positive_int, default=None, help="timed steps (default 10; 2 with --quick)")
+    parser.add_argument("--component-repeats", type=common.positive_int, default=None,
+                        help="timed calls of each isolated component (default 10; 3 with --quick)")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="default adam (the paper's)")
+    parser.add_argument("--unet-filters", type=common.positive_int, default=8,
+                        help="U-Net base width (the paper's is 32; default 8)")
+    parser.add_argument("--unet-builder", choices=("bench", "recipe"), default="bench",
+                        help="bench: bench_common.build_unet (default); recipe: "
+                             "recipes.unet3d.model.build_model (same structure)")
+    parser.add_argument("--cosmoflow-layout", choices=common.COSMOFLOW_LAYOUTS, default="recipe",
+                        help="recipe: gather before block 5 as recipes.cosmoflow.train does (default); "
+                             "split-all: split up to the flatten where possible (the layout before "
+                             "that change, for before/after numbers)")
+    parser.add_argument("--no-replicated-skip", action="store_true",
+                        help="average the replicated layers' gradients over the world too (the "
+                             "optimizer before that change, for before/after numbers)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration (default 3600)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 32^3 models, 2 warm-up, 2 timed steps")
+    parser.add_argument("--out", default=None,
+                        help="Markdown file whose bench_scaling section is (re)written "
+                             f"(default docs/benchmarks.md; {QUICK_DIRECTORY}/benchmarks.md with --quick)")
+    parser.add_argument("--plot", default=None,
+                        help="PNG to write (default docs/bench_scaling.png; in the quick directory with --quick)")
+    parser.add_argument("--json", default=None, help="also write the raw results here")
+    parser.add_argument("--horovod-timeline", default=None, metavar="DIR",
+                        help="write a Horovod timeline (chrome://tracing JSON) of every multi-rank "
+                             "configuration into DIR, to see where a step waits; adds overhead")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        return args
+    quick = args.quick
+    args.models = args.models or (QUICK_MODELS if quick else DEFAULT_MODELS)
+    args.warmup = args.warmup or (2 if quick else 3)
+    args.steps = args.steps or (2 if quick else 10)
+    args.component_repeats = args.component_repeats or (3 if quick else 10)
+    args.out = os.path.abspath(args.out or (os.path.join(QUICK_DIRECTORY, "benchmarks.md") if quick else common.BENCHMARKS_MD))
+    args.plot = os.path.abspath(args.plot or (os.path.join(QUICK_DIRECTORY, "bench_scaling.png") if quick else DEFAULT_PLOT))
+    models = []
+    for item in args.models.split(","):
+        name, _, size = item.partition(":")
+        if name not in common.MODELS or not size.isdigit():
+            parser.error(f"--models takes model:size pairs with model in {common.MODELS}. Received: {item!r}")
+        models.append((name, int(size)))
+    args.models = models
+    args.configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown or not args.configs:
+        parser.error(f"--configs must be a comma-separated subset of {', '.join(CONFIGS)}. Received: {unknown or '(none)'}")
+    if "serial" not in args.configs:
+        parser.error("--configs must include 'serial': speedups are relative to 1 rank, 1 thread")
+    if args.four_way[0] * args.four_way[1] * args.four_way[2] != 4:
+        parser.error(f"--four-way must split into 4 shards. Received: {common.shape_text(args.four_way)}")
+    args.parser = parser
+    return args
+
+
+def plan_specs(args: argparse.Namespace) -> list[dict]:
+    """Every (model, configuration) job, with its layout checked before anything runs."""
+    specs = []
+    for model, size in args.models:
+        for key in args.configs:
+            label, ranks, threads, spatial = CONFIGS[key]
+            spatial = spatial or tuple(args.four_way)
+            specs.append({
+                "key": key, "label": label or f"spatial {common.shape_text(spatial)}", "model": model,
+                "size": size, "ranks": ranks, "threads": threads, "spatial": list(spatial),
+                "spatial_size": spatial[0] * spatial[1] * spatial[2],
+                "warmup": args.warmup, "steps": args.steps, "component_repeats": args.component_repeats,
+                "optimizer": args.optimizer, "unet_filters": args.unet_filters,
+                "unet_builder": args.unet_builder, "cosmoflow_layout": args.cosmoflow_layout,
+                "replicated_skip": not args.no_replicated_skip,
+            })
+    for spec, layout in zip(specs, common.check_layouts(specs)):
+        if "error" in layout:
+            args.parser.error(f"{spec['model']} at {spec['size']}^3 cannot run {spec['label']}: {layout['error']}")
+        spec["gather_before_block"] = layout["gather_before_block"]
+    return specs
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        worker(json.loads(args.worker))
+        return 0
+    command = common.command_line("tools/bench_scaling.py", sys.argv[1:] if argv is None else argv)
+    common.horovodrun_path()  # fail now, not after the one-rank runs
+    specs = plan_specs(args)
+    rows, failures = [], 0
+    for index, spec in enumerate(specs, start=1):
+        load = os.getloadavg()[0]
+        print(f"[{index}/{len(specs)}] {spec['model']} {spec['size']}^3, {spec['label']} "
+              f"({spec['ranks']} ranks x {spec['threads']} threads; load {load:.1f}) ...", flush=True)
+        start = time.perf_counter()
+        try:
+            extra_env = None
+            if args.horovod_timeline and spec["ranks"] > 1:
+                os.makedirs(args.horovod_timeline, exist_ok=True)
+                extra_env = {"HOROVOD_TIMELINE": os.path.abspath(os.path.join(
+                    args.horovod_timeline, f"{spec['model']}{spec['size']}_{spec['key']}.json"))}
+            per_rank = common.launch_worker(__file__, spec, spec["ranks"], spec["threads"], args.timeout, extra_env)
+            row = summarize(spec, per_rank)
+            print(f"    -> step {row['step']:.3f} s, halo {row['halo'] or 0:.4f} s, allreduce "
+                  f"{row['allreduce'] or 0:.4f} s, {row['cpu_use']:.2f} cores busy per rank "
+                  f"({time.perf_counter() - start:.0f} s wall)", flush=True)
+        except RuntimeError as error:
+            print(f"    -> FAILED: {error}", flush=True)
+            row, failures = dict(spec, error=str(error)), failures + 1
+        row["load"] = load
+        rows.append(row)
+    add_speedups(rows)
+    report = render(rows, args, command)
+    print(report)
+    common.write_section(args.out, SECTION, report)
+    plot(rows, args.plot, args.quick)
+    print(f"Wrote the {SECTION} section of {args.out} and {args.plot}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(rows, handle, indent=1)
+    if failures:
+        print(f"{failures} configuration(s) FAILED (marked in the table)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
