@@ -45,3 +45,7 @@ def test_gathered_tail_matches_the_plain_model(np_, meshes):
             assert r["output_shape"] == (None, 3)
             assert r["output"] <= 1e-5, (mesh, r)
             assert r["grads"] <= 0, (mesh, r)  # rtol = atol = 1e-5
+            # DistributedOptimizer's averaging with the layers after the gather declared
+            # replicated (conv and dense: 2 kernels, 2 biases) gives the same gradients.
+            assert r["replicated"] == 4
+            assert r["partitioned_grads"] <= 0, (mesh, r)

@@ -56,6 +56,14 @@ def compare_with_twin(meshes, global_shape=(8, 8, 8, 2), batch_per_group=2):
 
         per_group = slice(strategy.data_index * batch_per_group, (strategy.data_index + 1) * batch_per_group)
         y, grads = spatial_step(tf.constant(strategy.shard(x, split_batch=True)), tf.constant(target[per_group]))
+        # The optimizer's averaging: layers after the gather are replicated, so their
+        # gradients are averaged over data groups only (not at all with one data group).
+        from keras_spatial.plan import replicated_layers
+
+        optimizer = strategy.distribute_optimizer(keras.optimizers.SGD())
+        replicated = [v for layer in replicated_layers(model, strategy) for v in layer.trainable_variables]
+        optimizer.set_replicated_variables(replicated)
+        partitioned = [g.numpy() for g in optimizer.average_gradients(grads, model.trainable_weights)]
         grads = [strategy.allreduce(g, "average").numpy() for g in grads]
         y_twin, grads_twin = twin_step(tf.constant(x), tf.constant(target))
         results[tuple(spatial_shape)] = {
@@ -63,6 +71,10 @@ def compare_with_twin(meshes, global_shape=(8, 8, 8, 2), batch_per_group=2):
             "grads": max(
                 float(np.max(np.abs(g - r) - (1e-5 + 1e-5 * np.abs(r)))) for g, r in zip(grads, grads_twin)
             ),
+            "partitioned_grads": max(
+                float(np.max(np.abs(g - r) - (1e-5 + 1e-5 * np.abs(r)))) for g, r in zip(partitioned, grads_twin)
+            ),
+            "replicated": len(replicated),
             "output_shape": tuple(model.output_shape),
         }
     strategy.barrier()
