@@ -91,8 +91,12 @@ def train(args, data: str, crop: int, out: str, env: dict) -> float:
         "--out", out, "--seed", "0",
     ]
     print("  " + " ".join(command), flush=True)
+    from demo_cosmoflow import run_quietly  # tools/ is this script's directory
+
     start = time.perf_counter()
-    subprocess.run(command, env=env, cwd=REPO_ROOT, check=True)
+    status = run_quietly(command, env, REPO_ROOT)
+    if status != 0:
+        raise SystemExit(f"error: training on {crop}^3 crops failed with status {status}")
     return time.perf_counter() - start
 
 

@@ -25,6 +25,19 @@ import sys
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# TensorFlow's start-up lines, printed by every rank before its logging is configured.
+STARTUP_NOISE = ("oneDNN custom operations are on", "All log messages before absl::InitializeLog")
+
+
+def run_quietly(command, env, cwd) -> int:
+    """Run `command`, streaming its output (stderr merged) without TensorFlow's
+    start-up lines; return its exit status."""
+    with subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
+        for line in process.stdout:
+            if not any(noise in line for noise in STARTUP_NOISE):
+                print(line, end="", flush=True)
+        return process.wait()
 
 
 def main(argv=None) -> int:
@@ -74,11 +87,11 @@ def main(argv=None) -> int:
     print("  " + " ".join(os.path.relpath(c, REPO_ROOT) if c.startswith(REPO_ROOT) else c
                           for c in command), flush=True)
     train_start = time.perf_counter()
-    result = subprocess.run(command, env=env, cwd=REPO_ROOT)
+    status = run_quietly(command, env, REPO_ROOT)
     train_seconds = time.perf_counter() - train_start
-    if result.returncode != 0:
-        print(f"error: training failed with status {result.returncode}", file=sys.stderr)
-        return result.returncode
+    if status != 0:
+        print(f"error: training failed with status {status}", file=sys.stderr)
+        return status
 
     with open(os.path.join(run_dir, "history.json")) as f:
         record = json.load(f)
