@@ -9,24 +9,16 @@ import sys
 import numpy as np
 import pytest
 
-from tests.distributed.launcher import REPO_ROOT, horovod_or_skip
+from tests.distributed.launcher import REPO_ROOT, horovod_or_skip, subprocess_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
 
 
 def _write_universes(out, count, size):
     subprocess.run(
         [sys.executable, os.path.join(REPO_ROOT, "tools", "write_universes.py"), "--out", str(out),
          "--count", str(count), "--size", str(size), "--seed", "3", "--workers", "1", "--quiet"],
-        check=True, env=_env(),
+        check=True, env=subprocess_env(),
     )
 
 
@@ -42,7 +34,7 @@ def test_train_on_two_ranks_then_load_in_one_process(tmp_path):
          "recipes.cosmoflow.train", "--data", str(data), "--spatial", "2,1,1", "--batch-size", "2",
          "--epochs", "1", "--size", "32", "--variant", "paper", "--out", str(out),
          "--validation-fraction", "0.34"],
-        cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "final validation MSE" in result.stdout
@@ -69,7 +61,7 @@ def test_train_on_two_ranks_then_load_in_one_process(tmp_path):
         "assert np.all(np.isfinite(y)), y\n"
         "print('OK', model.input_shape)\n"
     )
-    env = {k: v for k, v in _env().items() if not k.startswith("HOROVOD_")}
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("HOROVOD_")}
     loaded = subprocess.run(
         [sys.executable, "-c", check, str(out / "model.keras"), str(data / "univ_000005.h5")],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
@@ -82,7 +74,7 @@ def test_bad_arguments_fail_clearly(tmp_path):
     def train(*argv):
         return subprocess.run(
             [sys.executable, "-m", "recipes.cosmoflow.train", *argv],
-            cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+            cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120,
         )
 
     empty = tmp_path / "empty"

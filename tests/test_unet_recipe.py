@@ -25,18 +25,10 @@ from recipes.unet3d.model import (  # noqa: E402
     confusion_matrix,
     dice_from_confusion,
 )
-from tests.distributed.launcher import REPO_ROOT, horovod_or_skip  # noqa: E402
+from tests.distributed.launcher import REPO_ROOT, horovod_or_skip, subprocess_env  # noqa: E402
 
 PAPER_PARAMS = 19_076_131  # 19,065,888 kernel weights + 896 + 3 biases + 4 x 2,336 batch norm
 PAPER_PARAMS_NO_BN = 19_069_123  # 19,065,888 kernel weights + 3,235 biases
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +39,7 @@ def segmentation_dir(tmp_path_factory):
         [sys.executable, os.path.join(REPO_ROOT, "tools", "write_segmentation.py"), "--out",
          str(out), "--count", "6", "--size", "16", "--per-file", "2", "--seed", "3",
          "--workers", "1", "--quiet"],
-        check=True, env=_env(),
+        check=True, env=subprocess_env(),
     )
     return out
 
@@ -229,7 +221,7 @@ def test_train_on_two_ranks_then_check_predictions_in_one_process(tmp_path, segm
          "recipes.unet3d.train", "--data", str(segmentation_dir), "--spatial", "2,1,1",
          "--batch-size", "2", "--epochs", "1", "--depth", "1", "--base-filters", "4",
          "--out", str(out)],
-        cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=240,
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "final validation Dice" in result.stdout and "all-background" in result.stdout

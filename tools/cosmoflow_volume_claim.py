@@ -34,6 +34,8 @@ import sys
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from demo_cosmoflow import job_environment, run_quietly  # noqa: E402  (tools/)
 UNIVERSE_SIZE = 128
 PARAMETERS = ("Omega_m", "sigma_8", "n_s", "h")
 
@@ -66,14 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _environment() -> dict:
-    env = dict(os.environ)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
-    return env
-
-
 def _horovodrun() -> str:
     candidate = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     found = candidate if os.path.exists(candidate) else shutil.which("horovodrun")
@@ -91,8 +85,6 @@ def train(args, data: str, crop: int, out: str, env: dict) -> float:
         "--out", out, "--seed", "0",
     ]
     print("  " + " ".join(command), flush=True)
-    from demo_cosmoflow import run_quietly  # tools/ is this script's directory
-
     start = time.perf_counter()
     status = run_quietly(command, env, REPO_ROOT)
     if status != 0:
@@ -181,7 +173,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.count < 8:
         raise SystemExit("error: --count must be at least 8")
-    env = _environment()
+    env = job_environment()
     os.environ.update({k: env[k] for k in ("TF_CPP_MIN_LOG_LEVEL",)})
     data = os.path.join(args.dir, "universes")
     started = time.perf_counter()

@@ -29,6 +29,16 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_NOISE = ("oneDNN custom operations are on", "All log messages before absl::InitializeLog")
 
 
+def job_environment() -> dict:
+    """This environment with the repository on PYTHONPATH, TensorFlow's logging quiet and
+    one OpenMP thread per process (for the writer and the training job)."""
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def run_quietly(command, env, cwd) -> int:
     """Run `command`, streaming its output (stderr merged) without TensorFlow's
     start-up lines; return its exit status."""
@@ -59,10 +69,7 @@ def main(argv=None) -> int:
     if not horovodrun:
         print("error: horovodrun not found (run `make venv` first)", file=sys.stderr)
         return 1
-    env = dict(os.environ)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    env = job_environment()
 
     data = os.path.join(args.dir, "universes")
     run_dir = os.path.join(args.dir, "run")

@@ -17,6 +17,16 @@ import pytest
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def subprocess_env() -> dict:
+    """The environment for a recipe or tool run as a subprocess of a test: this one, with
+    the repository on PYTHONPATH, TensorFlow's logging quiet and one OpenMP thread."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 def horovod_or_skip():
     """Import horovod, or skip the calling test where it is not installed."""
     return pytest.importorskip("horovod.tensorflow")
