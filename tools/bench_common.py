@@ -42,7 +42,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 BENCHMARKS_MD = os.path.join(REPO_ROOT, "docs", "benchmarks.md")
 # Sections of docs/benchmarks.md, in the order they appear in the file.
-SECTION_ORDER = ("bench_scaling", "bench_memory")
+SECTION_ORDER = ("bench_scaling", "bench_memory", "profile_step")
 MODELS = ("cosmoflow", "unet")
 CHANNELS = 4
 UNET_CLASSES = 3
@@ -491,8 +491,9 @@ def write_result(spec: dict, results: list[dict]) -> None:
 
 # docs/benchmarks.md ------------------------------------------------------------------------
 FILE_HEADER = (
-    "# Benchmarks: strong scaling and memory\n\n"
-    "Written by `tools/bench_scaling.py` and `tools/bench_memory.py`; each tool replaces "
+    "# Benchmarks: strong scaling, memory and where a step's time goes\n\n"
+    "Written by `tools/bench_scaling.py`, `tools/bench_memory.py` and `tools/profile_step.py`; "
+    "each tool replaces "
     "only its own section (between its `BEGIN`/`END` markers). See also "
     "`docs/bench_halo.md` (halo exchange vs local convolution) and `docs/bench_io.md` "
     "(input pipeline).\n"
