@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 HOROVODRUN := $(VENV)/bin/horovodrun --gloo -np 2 -H localhost:2
 
-.PHONY: venv test test-fast demo demo-layers claim bench bench-halo clean
+.PHONY: venv test test-fast demo demo-layers claim bench bench-halo profile clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,10 @@ claim: $(STAMP)
 bench: $(STAMP)
 	$(PY) tools/bench_scaling.py
 	$(PY) tools/bench_memory.py
+
+# docs/benchmarks.md, profile section: per-rank breakdown of a step (TensorFlow profiler).
+profile: $(STAMP)
+	$(PY) tools/profile_step.py
 
 bench-halo: $(STAMP)
 	$(HOROVODRUN) $(PY) tools/bench_halo.py
