@@ -390,6 +390,26 @@ def make_training_step(strategy, spec: dict, optimizer_name: str, seed: int) -> 
     return TrainingStep(model, optimizer, x, y, step)
 
 
+def start_worker(spec: dict):
+    """A benchmark worker's first steps: TensorFlow threads, the strategy of `spec`
+    (checked against the number of ranks launched) and a `say` that prints on rank 0.
+
+    Returns (strategy, say).
+    """
+    configure_threads(spec["threads"])
+    import keras_spatial as ks
+
+    strategy = ks.SpatialStrategy(tuple(spec["spatial"]))
+    if strategy.size != spec["ranks"]:
+        raise RuntimeError(f"expected {spec['ranks']} ranks, the launcher started {strategy.size}")
+
+    def say(text: str) -> None:
+        if strategy.rank == 0:
+            print(f"    {text}", flush=True)
+
+    return strategy, say
+
+
 def barrier(strategy, name: str) -> None:
     """All ranks of the world reach this point (no-op for one rank)."""
     if strategy.size > 1:
@@ -530,6 +550,23 @@ def write_section(path: str, name: str, body: str) -> None:
         handle.truncate()
         handle.write(text if text.endswith("\n") else text + "\n")
         fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def publish(section: str, report: str, out: str, rows: list, json_path: Optional[str],
+            failures: int, also_written: Optional[str] = None) -> int:
+    """A driver's last steps: print the report, write its section of `out` (and the raw
+    rows to `json_path`, if given), report failures. Returns the exit status (1 if any
+    configuration failed)."""
+    print(report)
+    write_section(out, section, report)
+    print(f"Wrote the {section} section of {out}" + (f" and {also_written}" if also_written else ""))
+    if json_path:
+        with open(json_path, "w") as handle:
+            json.dump(rows, handle, indent=1)
+    if failures:
+        print(f"{failures} configuration(s) FAILED (marked in the table)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

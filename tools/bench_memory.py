@@ -419,18 +419,9 @@ def main(argv=None) -> int:
             print(f"    -> FAILED: {error}", flush=True)
             row, failures = dict(spec, error=str(error)), failures + 1
         rows.append(row)
-    report = render(rows, args, command)
-    print(report)
-    common.write_section(args.out, SECTION, report)
     plot(rows, args.plot, args.quick)
-    print(f"Wrote the {SECTION} section of {args.out} and {args.plot}")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=1)
-    if failures:
-        print(f"{failures} job(s) FAILED (marked in the table)", file=sys.stderr)
-        return 1
-    return 0
+    return common.publish(SECTION, render(rows, args, command), args.out, rows, args.json, failures,
+                          also_written=args.plot)
 
 
 if __name__ == "__main__":

@@ -142,20 +142,8 @@ def _allreduce_fn(optimizer, variables, seed: int):
 
 
 def worker(spec: dict) -> None:
-    common.configure_threads(spec["threads"])
+    strategy, say = common.start_worker(spec)
     import numpy as np
-
-    import keras_spatial as ks
-
-    strategy = ks.SpatialStrategy(tuple(spec["spatial"]))
-    if strategy.size != spec["ranks"]:
-        raise RuntimeError(f"expected {spec['ranks']} ranks, the launcher started {strategy.size}")
-    talk = strategy.rank == 0
-
-    def say(text: str) -> None:
-        if talk:
-            print(f"    {text}", flush=True)
-
     training = common.make_training_step(strategy, spec, spec["optimizer"], seed=strategy.rank)
     say(f"{training.model.name}: {training.model.count_params():,} parameters, local input "
         f"{common.shape_text(training.x.shape[1:])}")
@@ -209,7 +197,7 @@ def worker(spec: dict) -> None:
         "losses": losses,
     }
     results = common.gather_results(strategy, result, "scaling")
-    if talk:
+    if strategy.rank == 0:
         common.write_result(spec, results)
 
 
@@ -612,18 +600,9 @@ def main(argv=None) -> int:
         row["load"] = load
         rows.append(row)
     add_speedups(rows)
-    report = render(rows, args, command)
-    print(report)
-    common.write_section(args.out, SECTION, report)
     plot(rows, args.plot, args.quick)
-    print(f"Wrote the {SECTION} section of {args.out} and {args.plot}")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=1)
-    if failures:
-        print(f"{failures} configuration(s) FAILED (marked in the table)", file=sys.stderr)
-        return 1
-    return 0
+    return common.publish(SECTION, render(rows, args, command), args.out, rows, args.json, failures,
+                          also_written=args.plot)
 
 
 if __name__ == "__main__":

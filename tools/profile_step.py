@@ -177,20 +177,9 @@ def analyse(xspace, steps: int, wall: float) -> dict:
 
 # Worker (one rank) -------------------------------------------------------------------------
 def worker(spec: dict) -> None:
-    common.configure_threads(spec["threads"])
+    strategy, say = common.start_worker(spec)
     import tensorflow as tf
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    import keras_spatial as ks
-
-    strategy = ks.SpatialStrategy(tuple(spec["spatial"]))
-    if strategy.size != spec["ranks"]:
-        raise RuntimeError(f"expected {spec['ranks']} ranks, the launcher started {strategy.size}")
-    talk = strategy.rank == 0
-
-    def say(text: str) -> None:
-        if talk:
-            print(f"    {text}", flush=True)
 
     def timed_steps(count: int) -> tuple[list[float], list[float]]:
         walls, losses = [], []
@@ -233,7 +222,7 @@ def worker(spec: dict) -> None:
     result = dict(profile, rank=strategy.rank, step_times=step_times, profiled_times=profiled_times,
                   parameters=int(training.model.count_params()), local_input=list(training.x.shape[1:]))
     results = common.gather_results(strategy, result, "profile")
-    if talk:
+    if strategy.rank == 0:
         common.write_result(spec, results)
 
 
@@ -462,17 +451,7 @@ def main(argv=None) -> int:
             print(f"    -> FAILED: {error}", flush=True)
             row, failures = dict(spec, error=str(error)), failures + 1
         rows.append(row)
-    report = render(rows, args, command)
-    print(report)
-    common.write_section(args.out, SECTION, report)
-    print(f"Wrote the {SECTION} section of {args.out}")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=1)
-    if failures:
-        print(f"{failures} configuration(s) FAILED (marked in the table)", file=sys.stderr)
-        return 1
-    return 0
+    return common.publish(SECTION, render(rows, args, command), args.out, rows, args.json, failures)
 
 
 if __name__ == "__main__":
