@@ -569,6 +569,26 @@ def publish(section: str, report: str, out: str, rows: list, json_path: Optional
     return 0
 
 
+def run_header(command: str) -> list[str]:
+    """The lines every generated section starts with: command, date, machine, versions."""
+    return [
+        f"Command: `{command}`  ",
+        f"Date: {today()}  ",
+        f"Machine: {machine_line()}  ",
+        f"Versions: {versions()}",
+    ]
+
+
+def save_figure(fig, path: str) -> None:
+    """Lay out `fig`, write it to `path` as PNG (creating the directory) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]

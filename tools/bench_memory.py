@@ -251,10 +251,7 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         lines += ["**QUICK MODE (smoke test at 32^3 and 64^3): these numbers check that the tool "
                   "works; they are not benchmark results.**", ""]
     lines += [
-        f"Command: `{command}`  ",
-        f"Date: {common.today()}  ",
-        f"Machine: {common.machine_line()}  ",
-        f"Versions: {common.versions()}",
+        *common.run_header(command),
         "",
         "Model: the paper's CosmoFlow (`recipes.cosmoflow.model.build_model(W, 'paper')`, 9.4 M "
         "parameters, no batch norm), one sample of W^3 x 4 float32, Adam, MSE, one TensorFlow "
@@ -339,10 +336,7 @@ def plot(rows: list[dict], path: str, quick: bool) -> None:
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     if quick:
         fig.suptitle("QUICK MODE smoke test: not benchmark numbers", color="red")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -343,10 +343,7 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         lines += ["**QUICK MODE (smoke test at 32^3 with 2 timed steps): these numbers check that the "
                   "tool works; they are not benchmark results.**", ""]
     lines += [
-        f"Command: `{command}`  ",
-        f"Date: {common.today()}  ",
-        f"Machine: {common.machine_line()}  ",
-        f"Versions: {common.versions()}",
+        *common.run_header(command),
         "",
         f"One training step of ONE sample per data group: forward (training=True), MSE loss, "
         f"backward, {args.optimizer.capitalize()} update after the fused world-average of the gradients "
@@ -468,10 +465,7 @@ def plot(rows: list[dict], path: str, quick: bool) -> None:
     ax_speed.legend(fontsize=7, loc="upper left")
     if quick:
         fig.suptitle("QUICK MODE smoke test (32^3, 2 steps): not benchmark numbers", color="red")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -527,6 +521,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.component_repeats = args.component_repeats or (3 if quick else 10)
     args.out = os.path.abspath(args.out or (os.path.join(QUICK_DIRECTORY, "benchmarks.md") if quick else common.BENCHMARKS_MD))
     args.plot = os.path.abspath(args.plot or (os.path.join(QUICK_DIRECTORY, "bench_scaling.png") if quick else DEFAULT_PLOT))
+    check_jobs(parser, args, "speedups are relative to 1 rank, 1 thread")
+    args.parser = parser
+    return args
+
+
+def check_jobs(parser: argparse.ArgumentParser, args: argparse.Namespace, why_serial: str) -> None:
+    """Parse and check the job options shared with tools/profile_step.py, in place:
+    --models ('model:size,...' -> [(model, size)]), --configs (-> keys of CONFIGS; must
+    include 'serial', for `why_serial`) and --four-way (4 shards). Errors go to `parser`."""
     models = []
     for item in args.models.split(","):
         name, _, size = item.partition(":")
@@ -539,15 +542,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown or not args.configs:
         parser.error(f"--configs must be a comma-separated subset of {', '.join(CONFIGS)}. Received: {unknown or '(none)'}")
     if "serial" not in args.configs:
-        parser.error("--configs must include 'serial': speedups are relative to 1 rank, 1 thread")
+        parser.error(f"--configs must include 'serial': {why_serial}")
     if args.four_way[0] * args.four_way[1] * args.four_way[2] != 4:
         parser.error(f"--four-way must split into 4 shards. Received: {common.shape_text(args.four_way)}")
-    args.parser = parser
-    return args
 
 
-def plan_specs(args: argparse.Namespace) -> list[dict]:
-    """Every (model, configuration) job, with its layout checked before anything runs."""
+def plan_specs(args: argparse.Namespace, **per_job) -> list[dict]:
+    """Every (model, configuration) job of `args` (checked by `check_jobs`), each with the
+    fields every tool needs plus `per_job`, and its layout checked before anything runs."""
     specs = []
     for model, size in args.models:
         for key in args.configs:
@@ -557,10 +559,8 @@ def plan_specs(args: argparse.Namespace) -> list[dict]:
                 "key": key, "label": label or f"spatial {common.shape_text(spatial)}", "model": model,
                 "size": size, "ranks": ranks, "threads": threads, "spatial": list(spatial),
                 "spatial_size": spatial[0] * spatial[1] * spatial[2],
-                "warmup": args.warmup, "steps": args.steps, "component_repeats": args.component_repeats,
-                "optimizer": args.optimizer, "unet_filters": args.unet_filters,
-                "unet_builder": args.unet_builder, "cosmoflow_layout": args.cosmoflow_layout,
-                "replicated_skip": not args.no_replicated_skip,
+                "warmup": args.warmup, "steps": args.steps, "unet_filters": args.unet_filters,
+                "cosmoflow_layout": args.cosmoflow_layout, **per_job,
             })
     for spec, layout in zip(specs, common.check_layouts(specs)):
         if "error" in layout:
@@ -576,7 +576,10 @@ def main(argv=None) -> int:
         return 0
     command = common.command_line("tools/bench_scaling.py", sys.argv[1:] if argv is None else argv)
     common.horovodrun_path()  # fail now, not after the one-rank runs
-    specs = plan_specs(args)
+    specs = plan_specs(
+        args, component_repeats=args.component_repeats, optimizer=args.optimizer,
+        unet_builder=args.unet_builder, replicated_skip=not args.no_replicated_skip,
+    )
     rows, failures = [], 0
     for index, spec in enumerate(specs, start=1):
         load = os.getloadavg()[0]

@@ -49,7 +49,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as common  # noqa: E402  (sets sys.path and TF's log level first)
-from bench_scaling import CONFIGS, QUICK_DIRECTORY  # noqa: E402
+from bench_scaling import CONFIGS, QUICK_DIRECTORY, check_jobs, plan_specs  # noqa: E402
 
 SECTION = "profile_step"
 DEFAULT_MODELS = "cosmoflow:128"
@@ -302,10 +302,7 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         lines += ["**QUICK MODE (smoke test at 32^3 with 3 timed steps and 1 profiled step): these "
                   "numbers check that the tool works; they are not benchmark results.**", ""]
     lines += [
-        f"Command: `{command}`  ",
-        f"Date: {common.today()}  ",
-        f"Machine: {common.machine_line()}  ",
-        f"Versions: {common.versions()}",
+        *common.run_header(command),
         "",
         "The training step of `tools/bench_scaling.py` (one sample per data group: forward with "
         "training=True, MSE, backward, Adam update after the fused world-average of the gradients), "
@@ -385,44 +382,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.steps = args.steps or (3 if quick else 10)
     args.profiled_steps = args.profiled_steps or (1 if quick else 3)
     args.out = os.path.abspath(args.out or (os.path.join(QUICK_DIRECTORY, "benchmarks.md") if quick else common.BENCHMARKS_MD))
-    models = []
-    for item in args.models.split(","):
-        name, _, size = item.partition(":")
-        if name not in common.MODELS or not size.isdigit():
-            parser.error(f"--models takes model:size pairs with model in {common.MODELS}. Received: {item!r}")
-        models.append((name, int(size)))
-    args.models = models
-    args.configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in args.configs if c not in CONFIGS]
-    if unknown or not args.configs:
-        parser.error(f"--configs must be a comma-separated subset of {', '.join(CONFIGS)}. Received: {unknown or '(none)'}")
-    if "serial" not in args.configs:
-        parser.error("--configs must include 'serial': the split's compute is compared with it")
-    if math.prod(args.four_way) != 4:
-        parser.error(f"--four-way must split into 4 shards. Received: {common.shape_text(args.four_way)}")
+    check_jobs(parser, args, "the split's compute is compared with it")
     args.parser = parser
     return args
-
-
-def plan_specs(args: argparse.Namespace) -> list[dict]:
-    """Every (model, configuration) job, with its layout checked before anything runs."""
-    specs = []
-    for model, size in args.models:
-        for key in args.configs:
-            label, ranks, threads, spatial = CONFIGS[key]
-            spatial = spatial or tuple(args.four_way)
-            specs.append({
-                "key": key, "label": label or f"spatial {common.shape_text(spatial)}", "model": model,
-                "size": size, "ranks": ranks, "threads": threads, "spatial": list(spatial),
-                "spatial_size": math.prod(spatial), "warmup": args.warmup, "steps": args.steps,
-                "profiled_steps": args.profiled_steps, "unet_filters": args.unet_filters,
-                "cosmoflow_layout": args.cosmoflow_layout,
-            })
-    for spec, layout in zip(specs, common.check_layouts(specs)):
-        if "error" in layout:
-            args.parser.error(f"{spec['model']} at {spec['size']}^3 cannot run {spec['label']}: {layout['error']}")
-        spec["gather_before_block"] = layout["gather_before_block"]
-    return specs
 
 
 def main(argv=None) -> int:
@@ -433,7 +395,7 @@ def main(argv=None) -> int:
     command = common.command_line("tools/profile_step.py", sys.argv[1:] if argv is None else argv)
     if any(CONFIGS[key][1] > 1 for key in args.configs):
         common.horovodrun_path()  # fail now, not after the one-rank runs
-    specs = plan_specs(args)
+    specs = plan_specs(args, profiled_steps=args.profiled_steps)
     rows, failures = [], 0
     for index, spec in enumerate(specs, start=1):
         print(f"[{index}/{len(specs)}] {spec['model']} {spec['size']}^3, {spec['label']} "
