@@ -160,6 +160,77 @@ class AxisPlan:
         return counts
 
 
+@dataclasses.dataclass(frozen=True)
+class BoundaryOutput:
+    """A local output whose window reaches into a neighbour's shard.
+
+    Attributes:
+        index: the output's index in this shard's outputs along the axis.
+        local_taps: taps inside this shard.
+        before: (start, stop) of the planes it reads in the block received from the
+            neighbours before this shard (`exchange_axis`'s `before`, concatenated), or
+            None.
+        after: the same in the block received from the neighbours after it.
+    """
+
+    index: int
+    local_taps: int
+    before: Optional[Interval]
+    after: Optional[Interval]
+
+
+def local_window_boundary(plan: AxisPlan, shard: int) -> Optional[tuple[BoundaryOutput, ...]]:
+    """Whether a window op run on `shard`'s own planes alone, with the layer's padding
+    mode, puts this shard's outputs at the right places; if so, the outputs whose windows
+    also read a neighbour's planes.
+
+    The local op pads its own edges as TensorFlow would pad the whole volume. When its
+    leading padding equals the shard's halo before (so output j of the local op is global
+    output o0 + j) and it yields as many outputs as the shard owns, every output whose
+    window stays inside the shard, or leaves it only where the volume ends, is exact;
+    the outputs returned here read real planes of a neighbour where the local op saw
+    padding, and need those planes added in (average: a weighted mean of the local
+    result and the neighbours' planes; max: a maximum).
+
+    Returns None when the local op's outputs are not aligned with the shard's, or when
+    some output window has no tap inside the shard; an empty tuple when no output reads
+    a neighbour.
+    """
+    window = plan.window
+    start_in, stop_in = plan.owned[shard]
+    local_in = stop_in - start_in
+    local_out = plan.local_output_extent
+    if window.output_extent(local_in) != local_out:
+        return None
+    local_pad = window.pad_before(local_in)
+    first_out = shard * local_out
+    if start_in - local_pad != first_out * window.stride - window.pad_before(plan.global_extent):
+        return None
+    received_before_start = max(plan.needed[shard][0], 0)
+    boundary = []
+    for j in range(local_out):
+        first_tap = start_in + j * window.stride - local_pad
+        taps = [first_tap + i * window.dilation for i in range(window.kernel)]
+        local = sum(start_in <= t < stop_in for t in taps)
+        before = [t for t in taps if 0 <= t < start_in]
+        after = [t for t in taps if stop_in <= t < plan.global_extent]
+        if not local:
+            return None
+        if not before and not after:
+            continue
+        if (before and before[-1] - before[0] + 1 != len(before)) or (
+            after and after[-1] - after[0] + 1 != len(after)
+        ):
+            return None  # dilated taps: not a contiguous block of planes
+        boundary.append(BoundaryOutput(
+            index=j,
+            local_taps=local,
+            before=(before[0] - received_before_start, before[-1] + 1 - received_before_start) if before else None,
+            after=(after[0] - stop_in, after[-1] + 1 - stop_in) if after else None,
+        ))
+    return tuple(boundary)
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_axis(global_extent: int, shards: int, window: Window) -> AxisPlan:
     """Plan one axis of a window op over `global_extent` split into `shards` equal shards.

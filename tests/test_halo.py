@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from keras_spatial.halo import ShardAlignmentError, Window, plan_axis
+from keras_spatial.halo import ShardAlignmentError, Window, local_window_boundary, plan_axis
 
 
 def _global_window_op(signal, window: Window, fill=0.0):
@@ -123,3 +123,70 @@ def test_bad_window_raises(kwargs, match):
 def test_window_too_large_for_valid_raises():
     with pytest.raises(ShardAlignmentError, match="larger than the input"):
         plan_axis(4, 2, Window(5, 1, 1, "valid"))
+
+
+def _pool_1d(signal, window: Window, kind):
+    """Average (padding left out of the mean) or maximum over each window, as TF does."""
+    extent = len(signal)
+    p = window.pad_before(extent)
+    result = []
+    for o in range(window.output_extent(extent)):
+        taps = [o * window.stride - p + i * window.dilation for i in range(window.kernel)]
+        inside = [signal[t] for t in taps if 0 <= t < extent]
+        result.append(np.mean(inside) if kind == "average" else np.max(inside))
+    return np.array(result)
+
+
+def _pool_shards_in_place(signal, window: Window, shards: int, kind):
+    """Each shard pools its own planes, then completes its boundary outputs from the
+    planes it would receive (what SpatialAveragePooling3D/SpatialMaxPooling3D do)."""
+    plan = plan_axis(len(signal), shards, window)
+    outputs = []
+    for j in range(shards):
+        boundary = local_window_boundary(plan, j)
+        if boundary is None:
+            return None
+        (i0, i1), (n0, n1) = plan.owned[j], plan.needed[j]
+        local = _pool_1d(signal[i0:i1], window, kind)
+        before, after = signal[max(n0, 0):i0], signal[i1:min(n1, len(signal))]
+        for output in boundary:
+            spans = [block[a:b] for block, span in ((before, output.before), (after, output.after))
+                     if span for a, b in [span]]
+            if kind == "average":
+                taps = output.local_taps + sum(len(s) for s in spans)
+                local[output.index] = (local[output.index] * output.local_taps + sum(np.sum(s) for s in spans)) / taps
+            else:
+                local[output.index] = max([local[output.index]] + [np.max(s) for s in spans])
+        outputs.append(local)
+    return np.concatenate(outputs)
+
+
+POOL_CASES = [c for c in SERVABLE if c[2].dilation == 1]
+
+
+@pytest.mark.parametrize("kind", ["average", "max"])
+def test_pooling_shards_in_place_equals_global_pooling(kind):
+    served = 0
+    for extent, shards, window in POOL_CASES:
+        signal = np.random.default_rng(extent * 100 + shards).standard_normal(extent)
+        result = _pool_shards_in_place(signal, window, shards, kind)
+        if result is None:
+            continue
+        served += 1
+        np.testing.assert_allclose(result, _pool_1d(signal, window, kind), rtol=1e-12,
+                                   err_msg=f"{extent=} {shards=} {window=}")
+    assert served > len(POOL_CASES) // 2, (served, len(POOL_CASES))
+
+
+def test_cosmoflow_pool_reads_one_plane_of_the_next_shard():
+    plan = plan_axis(128, 2, Window(3, 2, 1, "same"))
+    first, last = local_window_boundary(plan, 0), local_window_boundary(plan, 1)
+    assert [(b.index, b.local_taps, b.before, b.after) for b in first] == [(31, 2, None, (0, 1))]
+    assert last == ()  # its last window ends at the volume's edge
+
+
+def test_misaligned_local_pooling_is_refused():
+    # 'same', window 2, stride 1 on 3 shards of 6: the global op pads after, and so does
+    # each shard's own op, so shards line up; 'valid' with a crop at the start does not.
+    assert local_window_boundary(plan_axis(18, 3, Window(2, 1, 1, "same")), 1) is not None
+    assert local_window_boundary(plan_axis(16, 2, Window(3, 1, 1, "valid")), 1) is None

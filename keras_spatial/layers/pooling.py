@@ -2,9 +2,11 @@
 
 import keras
 import numpy as np
+import tensorflow as tf
 from keras import ops
 
-from keras_spatial.halo import Window
+from keras_spatial.halo import Window, local_window_boundary
+from keras_spatial.ops.halo_exchange import exchange_axis
 from keras_spatial.layers.spatial_window import (
     SpatialWindowMixin,
     active_spatial_strategy,
@@ -52,6 +54,9 @@ class SpatialMaxPooling3D(_SpatialPoolingMixin, keras.layers.MaxPooling3D):
         if strategy is None:
             return super().call(inputs)
         plans = self._axis_plans(strategy, inputs.shape)
+        pooled = _pool_shard_in_place(self, inputs, strategy, plans, "max")
+        if pooled is not None:
+            return pooled
         extended = self._extend(inputs, strategy, plans, fill_value=float("-inf"))
         return ops.max_pool(extended, self.pool_size, self.strides, "valid", self.data_format)
 
@@ -86,12 +91,121 @@ class SpatialAveragePooling3D(_SpatialPoolingMixin, keras.layers.AveragePooling3
         if strategy is None:
             return super().call(inputs)
         plans = self._axis_plans(strategy, inputs.shape)
+        pooled = _pool_shard_in_place(self, inputs, strategy, plans, "average")
+        if pooled is not None:
+            return pooled
         extended = self._extend(inputs, strategy, plans, fill_value=0.0)
         pooled = ops.average_pool(extended, self.pool_size, self.strides, "valid", self.data_format)
         scale = _border_scale(plans, strategy.coords, self.pool_size)
         if scale is None:
             return pooled
         return pooled * ops.convert_to_tensor(scale, dtype=pooled.dtype)
+
+
+def _boundary_layout(plans, coords, kind):
+    """How to pool a shard where it lies: (exchanging axis or None, this shard's boundary
+    outputs along it), or None when the shard must be extended first.
+
+    Pooling the shard's own planes with the layer's padding gives every output exactly
+    when, on every axis and every shard (so that all ranks decide alike), the local op's
+    outputs line up with the shard's (`local_window_boundary`), and at most one axis has
+    outputs that read a neighbour's planes. Max pooling also needs that axis to be the
+    depth, and at most one such plane per side, so that ties go where MaxPool3D's
+    gradient sends them (to the first tap in depth, height, width order): received
+    planes before the shard then come first, those after it last, and a maximum over
+    several received planes would share a tie's gradient among them.
+    """
+    exchanging = [axis for axis, plan in enumerate(plans) if plan.exchanges]
+    if len(exchanging) > 1 or (kind == "max" and exchanging and exchanging[0] != 0):
+        return None
+    for axis, plan in enumerate(plans):
+        per_shard = [local_window_boundary(plan, shard) for shard in range(plan.shards)]
+        if any(boundary is None for boundary in per_shard):
+            return None
+        if axis not in exchanging and any(per_shard):
+            return None
+        if kind == "max" and any(
+            span is not None and span[1] - span[0] > 1
+            for boundary in per_shard
+            for output in boundary
+            for span in (output.before, output.after)
+        ):
+            return None
+    if not exchanging:
+        return None, ()
+    axis = exchanging[0]
+    return axis, local_window_boundary(plans[axis], coords[axis])
+
+
+def _slice_axis(x, axis, start, stop):
+    begin, size = [0] * 5, [-1] * 5
+    begin[axis], size[axis] = start, stop - start
+    return tf.slice(x, begin, size)
+
+
+def _pool_shard_in_place(layer, inputs, strategy, plans, kind):
+    """Pool the shard without building an extended copy of it, or None if that cannot
+    give the exact result (see `_boundary_layout`).
+
+    The shard's own planes are pooled with the layer's padding ('same' leaves padding
+    out of averages and maxima, as for the whole volume); the few output planes whose
+    windows reach a neighbour's planes are then completed from the received halo planes:
+    averages as the tap-weighted mean of the local result and the mean of the received
+    planes pooled over the other axes, maxima as the larger of the two. Only output
+    planes are concatenated, a fraction of the input, where extending the input copies
+    all of it (twice with the padding of the other axes) and its gradient again.
+    """
+    layout = _boundary_layout(plans, strategy.coords, kind)
+    if layout is None:
+        return None
+    pool = ops.max_pool if kind == "max" else ops.average_pool
+    local = pool(inputs, layer.pool_size, layer.strides, layer.padding, layer.data_format)
+    spatial_axis, boundary = layout
+    if spatial_axis is None:
+        return local
+    axis = spatial_axis + 1
+    before, after = exchange_axis(
+        inputs, spatial_axis, plans[spatial_axis], strategy.mesh, strategy.coords,
+        strategy.spatial_process_set, name="ks_halo",
+    )
+    if not boundary:
+        # Nothing arrives here (`after` holds the alltoall's empty result): keep that
+        # result as data, cut to the output's shape along the other axes.
+        size = [-1] * 5
+        for other in range(1, 4):
+            size[other] = 0 if other == axis else local.shape[other]
+        return tf.concat([local, tf.slice(after[0], [0] * 5, size)], axis=axis)
+    blocks = {
+        "before": tf.concat(before, axis=axis) if len(before) > 1 else (before or [None])[0],
+        "after": tf.concat(after, axis=axis) if len(after) > 1 else (after or [None])[0],
+    }
+    # The received planes' window along the other axes: the layer's, with 1 along `axis`.
+    window = [1 if other == spatial_axis else k for other, k in enumerate(layer.pool_size)]
+    strides = [1 if other == spatial_axis else t for other, t in enumerate(layer.strides)]
+    pieces, done = [], 0
+    for output in boundary:
+        if output.index > done:
+            pieces.append(_slice_axis(local, axis, done, output.index))
+        value = _slice_axis(local, axis, output.index, output.index + 1)
+        spans = [(blocks[side], span) for side, span in (("before", output.before), ("after", output.after)) if span]
+        taps = output.local_taps + sum(stop - start for _, (start, stop) in spans)
+        if kind == "max":
+            for block, (start, stop) in spans:
+                received = pool(_slice_axis(block, axis, start, stop), window, strides, layer.padding, layer.data_format)
+                # Ties go to the earlier tap, as in MaxPool3D's gradient.
+                value = tf.maximum(received, value) if block is blocks["before"] else tf.maximum(value, received)
+        else:
+            terms = [value * tf.constant(output.local_taps / taps, value.dtype)]
+            for block, (start, stop) in spans:
+                mean = tf.reduce_mean(_slice_axis(block, axis, start, stop), axis=axis, keepdims=True)
+                received = pool(mean, window, strides, layer.padding, layer.data_format)
+                terms.append(received * tf.constant((stop - start) / taps, value.dtype))
+            value = tf.add_n(terms)
+        pieces.append(value)
+        done = output.index + 1
+    if done < local.shape[axis]:
+        pieces.append(_slice_axis(local, axis, done, local.shape[axis]))
+    return tf.concat(pieces, axis=axis)
 
 
 def _border_scale(plans, coords, pool_size):

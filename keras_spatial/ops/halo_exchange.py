@@ -53,6 +53,59 @@ def _line_peers(mesh: Mesh, coords: Sequence[int], axis: int) -> list[int | None
     return peers
 
 
+def exchange_axis(
+    x: tf.Tensor,
+    spatial_axis: int,
+    plan: AxisPlan,
+    mesh: Mesh,
+    coords: Sequence[int],
+    process_set,
+    name: str,
+) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+    """Receive the halo planes of `x` along one spatial axis from this rank's neighbours.
+
+    One `alltoall` in the spatial process set sends this rank's planes that the others
+    need and receives the planes it needs (`plan.transfer`). Every rank of the set must
+    call it when `plan.exchanges`, with the same `name`.
+
+    Returns:
+        (before, after): the received slabs that lie before / after this rank's shard
+        along the axis, each in global order. A rank that receives nothing gets
+        `([], [empty])`: the alltoall's empty result, shaped like `x` with extent 0
+        along the axis. The caller must USE it as data (concatenate it somewhere): its
+        gradient is the backward alltoall every rank takes part in, and a result that
+        feeds nothing is removed from the graph, leaving the other ranks waiting.
+    """
+    axis = spatial_axis + 1
+    me = coords[spatial_axis]
+    own_start = plan.owned[me][0]
+    peers = _line_peers(mesh, coords, spatial_axis)
+    chunks, send_splits, recv_splits, sources = [], [], [], []
+    for peer in peers:
+        sent = plan.transfer(me, peer) if peer is not None else None
+        got = plan.transfer(peer, me) if peer is not None else None
+        send_splits.append(0 if sent is None else sent[1] - sent[0])
+        recv_splits.append(0 if got is None else got[1] - got[0])
+        if sent is not None:
+            chunks.append(_slice_axis(x, axis, sent[0] - own_start, sent[1] - own_start))
+        if got is not None:
+            sources.append(peer)
+    if not chunks:  # this rank sends nothing: an empty buffer of the right shape
+        chunks.append(_slice_axis(x, axis, 0, 0))
+    buffer = tf.concat([_to_front(c, axis) for c in chunks], axis=0)
+    received = comm.alltoall(
+        buffer, send_splits, recv_splits, process_set, name=f"{name}_{SPATIAL_AXES[spatial_axis]}"
+    )
+    if not sources:
+        return [], [_from_front(received, axis)]
+    before, after = [], []
+    sizes = [s for s in recv_splits if s]
+    pieces = tf.split(received, sizes, axis=0) if len(sizes) > 1 else [received]
+    for source, piece in zip(sources, pieces):
+        (before if source < me else after).append(_from_front(piece, axis))
+    return before, after
+
+
 def extend_axis(
     x: tf.Tensor,
     spatial_axis: int,
@@ -69,33 +122,7 @@ def extend_axis(
     own_start = plan.owned[me][0]
     parts_before, parts_after = [], []
     if plan.exchanges:
-        peers = _line_peers(mesh, coords, spatial_axis)
-        chunks, send_splits, recv_splits, sources = [], [], [], []
-        for peer in peers:
-            sent = plan.transfer(me, peer) if peer is not None else None
-            got = plan.transfer(peer, me) if peer is not None else None
-            send_splits.append(0 if sent is None else sent[1] - sent[0])
-            recv_splits.append(0 if got is None else got[1] - got[0])
-            if sent is not None:
-                chunks.append(_slice_axis(x, axis, sent[0] - own_start, sent[1] - own_start))
-            if got is not None:
-                sources.append(peer)
-        if not chunks:  # this rank sends nothing: an empty buffer of the right shape
-            chunks.append(_slice_axis(x, axis, 0, 0))
-        buffer = tf.concat([_to_front(c, axis) for c in chunks], axis=0)
-        received = comm.alltoall(
-            buffer, send_splits, recv_splits, process_set, name=f"{name}_{SPATIAL_AXES[spatial_axis]}"
-        )
-        sizes = [s for s in recv_splits if s]
-        if not sources:
-            # Nothing arrives here, but the (empty) result must stay in the graph: its
-            # gradient op is the backward alltoall that returns this rank's share of the
-            # gradient, and every rank of the set has to take part in it.
-            parts_after.append(_from_front(received, axis))
-        else:
-            pieces = tf.split(received, sizes, axis=0) if len(sizes) > 1 else [received]
-            for source, piece in zip(sources, pieces):
-                (parts_before if source < me else parts_after).append(_from_front(piece, axis))
+        parts_before, parts_after = exchange_axis(x, spatial_axis, plan, mesh, coords, process_set, name)
     kept = plan.kept(me)
     if kept == plan.owned[me]:
         middle = [x]
