@@ -31,7 +31,10 @@ class SpatialMaxPooling3D(_SpatialPoolingMixin, keras.layers.MaxPooling3D):
 
     Takes exactly the arguments of `keras.layers.MaxPooling3D`; halos are exchanged
     as in `SpatialConv3D`, and positions outside the global volume hold -inf, so the
-    result equals `keras.layers.MaxPooling3D` on the whole volume. Without an active
+    result equals `keras.layers.MaxPooling3D` on the whole volume. When the shards line
+    up with the windows and only the depth axis exchanges, at most one plane per side,
+    each rank pools its own shard and takes the maximum with the received planes'
+    pooled values for the boundary outputs, without copying the shard. Without an active
     spatial strategy it is `keras.layers.MaxPooling3D`.
 
     Input shape:
@@ -66,10 +69,13 @@ class SpatialAveragePooling3D(_SpatialPoolingMixin, keras.layers.AveragePooling3
     """3D average pooling over a volume split across the ranks of a spatial group.
 
     Takes exactly the arguments of `keras.layers.AveragePooling3D`. As in Keras,
-    padding at the global border is left out of the mean ('same'): each output at the
-    border is rescaled by window volume / number of taps inside the volume, a constant
-    that depends only on the geometry. Without an active spatial strategy it is
-    `keras.layers.AveragePooling3D`.
+    padding at the global border is left out of the mean ('same'). Where the shards line
+    up with the windows and only one axis exchanges (as for CosmoFlow's 3^3/2 'same'
+    pools on a 2x1x1 or 4x1x1 mesh), each rank pools its own shard and completes the
+    output planes whose windows reach a neighbour from the received halo planes, without
+    copying the shard; otherwise it pools the extended shard like `SpatialConv3D`
+    convolves it, rescaling border outputs by window volume / taps inside the volume.
+    Without an active spatial strategy it is `keras.layers.AveragePooling3D`.
 
     Input shape:
         LOCAL shard `(batch, d, h, w, channels)`.
