@@ -154,58 +154,64 @@ def _pool_shard_in_place(layer, inputs, strategy, plans, kind):
     give the exact result (see `_boundary_layout`).
 
     The shard's own planes are pooled with the layer's padding ('same' leaves padding
-    out of averages and maxima, as for the whole volume); the few output planes whose
-    windows reach a neighbour's planes are then completed from the received halo planes:
-    averages as the tap-weighted mean of the local result and the mean of the received
-    planes pooled over the other axes, maxima as the larger of the two. Only output
-    planes are concatenated, a fraction of the input, where extending the input copies
-    all of it (twice with the padding of the other axes) and its gradient again.
+    out of averages and maxima, as for the whole volume), over the other axes first and
+    then along the exchanging one; the few output planes whose windows reach a
+    neighbour's planes are then completed from the neighbours' planes pooled over the
+    other axes: averages as the tap-weighted mean of the local result and the received
+    planes, maxima as the larger of the two. Only output-sized planes are concatenated,
+    where extending the input copies all of it (twice with the padding of the other
+    axes) and its gradient again; a rank that sends planes gets their gradient back at
+    the size of the reduced planes.
     """
     layout = _boundary_layout(plans, strategy.coords, kind)
     if layout is None:
         return None
     pool = ops.max_pool if kind == "max" else ops.average_pool
-    local = pool(inputs, layer.pool_size, layer.strides, layer.padding, layer.data_format)
     spatial_axis, boundary = layout
     if spatial_axis is None:
-        return local
+        return pool(inputs, layer.pool_size, layer.strides, layer.padding, layer.data_format)
     axis = spatial_axis + 1
+    # Pool over the other axes first, then along the exchanging one: the box is separable
+    # (its 'same' tap count is the product of the axes' counts), and the planes that
+    # neighbours need, and the gradient they send back, are then already reduced.
+    across = [1 if other == spatial_axis else k for other, k in enumerate(layer.pool_size)]
+    across_strides = [1 if other == spatial_axis else t for other, t in enumerate(layer.strides)]
+    along = [layer.pool_size[other] if other == spatial_axis else 1 for other in range(3)]
+    along_strides = [layer.strides[other] if other == spatial_axis else 1 for other in range(3)]
+    reduced = inputs
+    if any(k > 1 for k in across) or any(t > 1 for t in across_strides):
+        reduced = pool(inputs, across, across_strides, layer.padding, layer.data_format)
+    local = pool(reduced, along, along_strides, layer.padding, layer.data_format)
     before, after = exchange_axis(
-        inputs, spatial_axis, plans[spatial_axis], strategy.mesh, strategy.coords,
-        strategy.spatial_process_set, name="ks_halo",
+        reduced, spatial_axis, plans[spatial_axis], strategy.mesh, strategy.coords,
+        strategy.spatial_process_set, name="ks_halo", empty_from=local,
     )
     if not boundary:
         # Nothing arrives here (`after` holds the alltoall's empty result): keep that
-        # result as data, cut to the output's shape along the other axes.
-        size = [-1] * 5
-        for other in range(1, 4):
-            size[other] = 0 if other == axis else local.shape[other]
-        return tf.concat([local, tf.slice(after[0], [0] * 5, size)], axis=axis)
+        # result as data (it has the output's extent along the other axes).
+        return tf.concat([local, after[0]], axis=axis)
     blocks = {
         "before": tf.concat(before, axis=axis) if len(before) > 1 else (before or [None])[0],
         "after": tf.concat(after, axis=axis) if len(after) > 1 else (after or [None])[0],
     }
-    # The received planes' window along the other axes: the layer's, with 1 along `axis`.
-    window = [1 if other == spatial_axis else k for other, k in enumerate(layer.pool_size)]
-    strides = [1 if other == spatial_axis else t for other, t in enumerate(layer.strides)]
     pieces, done = [], 0
     for output in boundary:
         if output.index > done:
             pieces.append(_slice_axis(local, axis, done, output.index))
         value = _slice_axis(local, axis, output.index, output.index + 1)
-        spans = [(blocks[side], span) for side, span in (("before", output.before), ("after", output.after)) if span]
-        taps = output.local_taps + sum(stop - start for _, (start, stop) in spans)
+        spans = [(side, _slice_axis(blocks[side], axis, start, stop), stop - start)
+                 for side, span in (("before", output.before), ("after", output.after)) if span
+                 for start, stop in [span]]
         if kind == "max":
-            for block, (start, stop) in spans:
-                received = pool(_slice_axis(block, axis, start, stop), window, strides, layer.padding, layer.data_format)
+            for side, planes, _ in spans:
+                received = tf.reduce_max(planes, axis=axis, keepdims=True)
                 # Ties go to the earlier tap, as in MaxPool3D's gradient.
-                value = tf.maximum(received, value) if block is blocks["before"] else tf.maximum(value, received)
+                value = tf.maximum(received, value) if side == "before" else tf.maximum(value, received)
         else:
+            taps = output.local_taps + sum(count for _, _, count in spans)
             terms = [value * tf.constant(output.local_taps / taps, value.dtype)]
-            for block, (start, stop) in spans:
-                mean = tf.reduce_mean(_slice_axis(block, axis, start, stop), axis=axis, keepdims=True)
-                received = pool(mean, window, strides, layer.padding, layer.data_format)
-                terms.append(received * tf.constant((stop - start) / taps, value.dtype))
+            for _, planes, _ in spans:
+                terms.append(tf.reduce_sum(planes, axis=axis, keepdims=True) * tf.constant(1.0 / taps, value.dtype))
             value = tf.add_n(terms)
         pieces.append(value)
         done = output.index + 1

@@ -61,12 +61,19 @@ def exchange_axis(
     coords: Sequence[int],
     process_set,
     name: str,
+    empty_from: tf.Tensor | None = None,
 ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
     """Receive the halo planes of `x` along one spatial axis from this rank's neighbours.
 
     One `alltoall` in the spatial process set sends this rank's planes that the others
     need and receives the planes it needs (`plan.transfer`). Every rank of the set must
     call it when `plan.exchanges`, with the same `name`.
+
+    A rank that sends nothing still sends an empty buffer that depends on `x`, so that
+    the backward alltoall runs on it exactly when it runs on the others. Cut from `x`,
+    its gradient is a zero tensor of `x`'s full size added to `x`'s gradient; pass
+    `empty_from`, a smaller tensor computed from `x` (e.g. the layer's output on the
+    shard), to cut it from that instead.
 
     Returns:
         (before, after): the received slabs that lie before / after this rank's shard
@@ -90,9 +97,13 @@ def exchange_axis(
             chunks.append(_slice_axis(x, axis, sent[0] - own_start, sent[1] - own_start))
         if got is not None:
             sources.append(peer)
-    if not chunks:  # this rank sends nothing: an empty buffer of the right shape
-        chunks.append(_slice_axis(x, axis, 0, 0))
-    buffer = tf.concat([_to_front(c, axis) for c in chunks], axis=0)
+    if chunks:
+        buffer = tf.concat([_to_front(c, axis) for c in chunks], axis=0)
+    elif empty_from is None:  # this rank sends nothing: an empty buffer of the right shape
+        buffer = _to_front(_slice_axis(x, axis, 0, 0), axis)
+    else:
+        front_shape = [0] + [x.shape[a] for a in range(x.shape.rank) if a != axis]
+        buffer = tf.reshape(_slice_axis(empty_from, axis, 0, 0), front_shape)
     received = comm.alltoall(
         buffer, send_splits, recv_splits, process_set, name=f"{name}_{SPATIAL_AXES[spatial_axis]}"
     )
