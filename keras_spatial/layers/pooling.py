@@ -6,7 +6,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_spatial.halo import Window, local_window_boundary
-from keras_spatial.ops.halo_exchange import exchange_axis
+from keras_spatial.ops.halo_exchange import _slice_axis, exchange_axis
 from keras_spatial.layers.spatial_window import (
     SpatialWindowMixin,
     active_spatial_strategy,
@@ -124,6 +124,7 @@ def _boundary_layout(plans, coords, kind):
     exchanging = [axis for axis, plan in enumerate(plans) if plan.exchanges]
     if len(exchanging) > 1 or (kind == "max" and exchanging and exchanging[0] != 0):
         return None
+    mine = ()
     for axis, plan in enumerate(plans):
         per_shard = [local_window_boundary(plan, shard) for shard in range(plan.shards)]
         if any(boundary is None for boundary in per_shard):
@@ -137,16 +138,9 @@ def _boundary_layout(plans, coords, kind):
             for span in (output.before, output.after)
         ):
             return None
-    if not exchanging:
-        return None, ()
-    axis = exchanging[0]
-    return axis, local_window_boundary(plans[axis], coords[axis])
-
-
-def _slice_axis(x, axis, start, stop):
-    begin, size = [0] * 5, [-1] * 5
-    begin[axis], size[axis] = start, stop - start
-    return tf.slice(x, begin, size)
+        if axis in exchanging:
+            mine = per_shard[coords[axis]]
+    return (exchanging[0] if exchanging else None), mine
 
 
 def _pool_shard_in_place(layer, inputs, strategy, plans, kind):
@@ -191,8 +185,8 @@ def _pool_shard_in_place(layer, inputs, strategy, plans, kind):
         # result as data (it has the output's extent along the other axes).
         return tf.concat([local, after[0]], axis=axis)
     blocks = {
-        "before": tf.concat(before, axis=axis) if len(before) > 1 else (before or [None])[0],
-        "after": tf.concat(after, axis=axis) if len(after) > 1 else (after or [None])[0],
+        "before": tf.concat(before, axis=axis) if before else None,
+        "after": tf.concat(after, axis=axis) if after else None,
     }
     pieces, done = [], 0
     for output in boundary:
