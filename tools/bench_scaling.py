@@ -32,7 +32,9 @@ paths, (a) the fused gradient allreduce alone (`keras_spatial.comm.grouped_allre
 tensors shaped like the trainable variables, over the world) and (b) every halo exchange
 of the model alone, forward and backward (each spatial window layer's own
 `_extend` -> `keras_spatial.ops.halo_exchange.extend_to_halo` on a tensor of its local
-input shape, with a random upstream gradient of the extended shape). The shares in the
+input shape, with a random upstream gradient of the extended shape; for a pooling layer
+that pools its shard in place, the alltoall of the planes its neighbours need, pooled over
+the other axes, `exchange_axis`). The shares in the
 table are those isolated medians divided by the step time; overlap with computation is
 not accounted for.
 """
@@ -77,12 +79,19 @@ def _timed(fn, calls: int) -> list[float]:
 
 def _halo_exchange_fn(strategy, model, seed: int):
     """(callable running every halo exchange of `model` forward+backward once, number of
-    spatial window layers, number of them that receive planes from a neighbour)."""
+    spatial window layers, number of them that receive planes from a neighbour).
+
+    Each layer's exchange is what the layer runs: the extension of its shard
+    (`layer._extend`: alltoall, assembling, padding), or, for a pooling layer that pools
+    its shard in place, the alltoall of the planes its neighbours need, pooled over the
+    other axes (`exchange_axis` on a tensor of that reduced shape).
+    """
     import numpy as np
     import tensorflow as tf
 
-    from keras_spatial.layers.pooling import SpatialMaxPooling3D
+    from keras_spatial.layers.pooling import SpatialMaxPooling3D, _boundary_layout
     from keras_spatial.layers.spatial_window import SpatialWindowMixin
+    from keras_spatial.ops.halo_exchange import exchange_axis, extend_to_halo
 
     rng = np.random.default_rng(seed)
     layers, inputs, upstream = [], [], []
@@ -91,36 +100,83 @@ def _halo_exchange_fn(strategy, model, seed: int):
             continue
         shape = (1,) + tuple(layer.input.shape[1:])
         plans = layer._axis_plans(strategy, shape)
-        fill = float("-inf") if isinstance(layer, SpatialMaxPooling3D) else 0.0
-        extended = (1,) + tuple(p.extended_extent for p in plans) + (shape[-1],)
-        layers.append((layer, plans, fill, any(p.exchanges for p in plans)))
+        is_max = isinstance(layer, SpatialMaxPooling3D)
+        in_place = None
+        if hasattr(layer, "pool_size"):
+            in_place = _boundary_layout(plans, strategy.coords, "max" if is_max else "average")
+        if in_place is not None:
+            axis = in_place[0]
+            if axis is None:  # pooled where it lies, nothing exchanged
+                continue
+            shape = (1,) + tuple(shape[1 + b] if b == axis else plans[b].local_output_extent
+                                 for b in range(3)) + (shape[-1],)
+            layers.append((layer, plans, axis, True))
+            upstream.append(None)
+        else:
+            fill = float("-inf") if is_max else 0.0
+            extended = (1,) + tuple(p.extended_extent for p in plans) + (shape[-1],)
+            layers.append((layer, plans, fill, any(p.exchanges for p in plans)))
+            upstream.append(tf.constant(rng.standard_normal(extended).astype("float32")))
         inputs.append(tf.constant(rng.standard_normal(shape).astype("float32")))
-        upstream.append(tf.constant(rng.standard_normal(extended).astype("float32")))
     if not layers:
         return None, 0, 0
+    modes = [up is None for up in upstream]  # True: planes of an in-place pool
+
+    def run_one(index, plans, extra, x, planes_only):
+        # Each exchange gets its own collective name: the exchanges here do not depend on
+        # each other's data, so several can be in flight at once (control dependencies do
+        # not order the gradient's collectives), and Horovod pairs the ranks' collectives
+        # by name.
+        name = f"bench_halo{index}"
+        if not planes_only:
+            return extend_to_halo(x, plans, strategy.mesh, strategy.coords,
+                                  strategy.spatial_process_set, fill_value=extra, name=name)
+        before, after = exchange_axis(x, extra, plans[extra], strategy.mesh, strategy.coords,
+                                      strategy.spatial_process_set, name=name)
+        return tf.concat(before + after, axis=extra + 1)
+
+    def after(token, t):
+        # `t`, but only once `token` (a scalar read of the previous exchange's result) is
+        # computed: a data dependency without copying `t`. Control dependencies do not
+        # order the collectives that automatic differentiation creates.
+        return tf.cond(token > float("-inf"), lambda: tf.identity(t), lambda: t)
+
+    def read(t):
+        # A scalar computed from `t` (its corner, and its extent for an empty `t`).
+        return tf.reduce_max(tf.concat([tf.reshape(t[:1, :1, :1, :1, :1], [-1]),
+                                        tf.cast(tf.shape(t)[1:2], t.dtype)], axis=0))
 
     @tf.function(jit_compile=False)
     def exchange(xs, gs):
         # As in the model, one exchange at a time: forward in layer order, then backward
-        # in reverse order, each after the previous one finished (control dependencies).
+        # in reverse order, each after the previous one finished.
         # Independent exchanges in one graph would otherwise be negotiated by Horovod
         # together and hide the per-collective latency the real step pays.
-        tapes, extended, previous = [], [], []
-        for (layer, plans, fill, _), x in zip(layers, xs):
-            with tf.control_dependencies(previous), tf.GradientTape() as tape:
+        tapes, extended, inputs_used, token = [], [], [], tf.constant(0.0)
+        for index, ((_, plans, extra, _), x, planes_only) in enumerate(zip(layers, xs, modes)):
+            with tf.GradientTape() as tape:
+                x = after(token, x)
                 tape.watch(x)
-                extended.append(layer._extend(x, strategy, plans, fill))
+                extended.append(run_one(index, plans, extra, x, planes_only))
             tapes.append(tape)
-            previous = [extended[-1]]
+            inputs_used.append(x)
+            token = read(extended[-1])
         grads = [None] * len(xs)
         for index in reversed(range(len(xs))):
-            with tf.control_dependencies(previous):
-                grads[index] = tapes[index].gradient(extended[index], xs[index], output_gradients=gs[index])
-            previous = [grads[index]]
-        # Tiny reads of every forward and backward result keep all of them in the graph.
-        return tf.add_n([tf.reduce_sum(t[:1, :1, :1, :1, :1]) for t in extended + grads])
+            g = gs[index] if gs[index] is not None else tf.ones_like(extended[index])
+            grads[index] = tapes[index].gradient(extended[index], inputs_used[index],
+                                                 output_gradients=after(token, g))
+            token = read(grads[index])
+        # Every result is an output, so that every rank runs every collective. A read of a
+        # corner of each (an earlier version) let Grappler drop the collectives whose
+        # corner lay outside the received planes or whose received block is statically
+        # empty, differently on each rank, and a rank then waited for ever.
+        return extended + grads
 
-    return (lambda: exchange(inputs, upstream).numpy()), len(layers), sum(e for *_, e in layers)
+    def run():
+        exchange(inputs, upstream)  # returns once every exchange has finished
+
+    return run, len(layers), sum(e for *_, e in layers)
 
 
 def _allreduce_fn(optimizer, variables, seed: int):
@@ -365,7 +421,9 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         "allreduce is `keras_spatial.comm.grouped_allreduce` of tensors shaped like the trainable "
         "variables over the world (as `DistributedOptimizer` does); the halo exchanges are every "
         "spatial window layer's own exchange (`layer._extend`, i.e. `extend_to_halo`: alltoall of "
-        "the halo planes, assembling the extended shard, global zero padding) forward AND backward "
+        "the halo planes, assembling the extended shard, global zero padding; for a pooling layer "
+        "that pools its shard in place, only the alltoall of the planes its neighbours need, pooled "
+        "over the other axes, `exchange_axis`) forward AND backward "
         "(the adjoint alltoall), on tensors of the layer's local input shape, one exchange after "
         "the other as in the model (forward in layer order, backward in reverse). Shares are "
         "these isolated times divided by the step time; overlap with computation is not "
