@@ -82,7 +82,8 @@ def _halo_exchange_fn(strategy, model, seed: int):
     spatial window layers, number of them that receive planes from a neighbour).
 
     Each layer's exchange is what the layer runs: the extension of its shard
-    (`layer._extend`: alltoall, assembling, padding), or, for a pooling layer that pools
+    (`extend_to_halo` with the layer's plans, as `layer._extend`: alltoall, assembling,
+    padding), or, for a pooling layer that pools
     its shard in place, the alltoall of the planes its neighbours need, pooled over the
     other axes (`exchange_axis` on a tensor of that reduced shape).
     """
@@ -94,6 +95,8 @@ def _halo_exchange_fn(strategy, model, seed: int):
     from keras_spatial.ops.halo_exchange import exchange_axis, extend_to_halo
 
     rng = np.random.default_rng(seed)
+    # layers: (plans, fill value or, for an in-place pool, its exchanging axis, whether only
+    # an in-place pool's planes are exchanged, whether the layer receives planes at all).
     layers, inputs, upstream = [], [], []
     for layer in model.layers:
         if not isinstance(layer, SpatialWindowMixin) or getattr(layer, "_blockwise", False):
@@ -110,17 +113,16 @@ def _halo_exchange_fn(strategy, model, seed: int):
                 continue
             shape = (1,) + tuple(shape[1 + b] if b == axis else plans[b].local_output_extent
                                  for b in range(3)) + (shape[-1],)
-            layers.append((layer, plans, axis, True))
+            layers.append((plans, axis, True, True))
             upstream.append(None)
         else:
             fill = float("-inf") if is_max else 0.0
             extended = (1,) + tuple(p.extended_extent for p in plans) + (shape[-1],)
-            layers.append((layer, plans, fill, any(p.exchanges for p in plans)))
+            layers.append((plans, fill, False, any(p.exchanges for p in plans)))
             upstream.append(tf.constant(rng.standard_normal(extended).astype("float32")))
         inputs.append(tf.constant(rng.standard_normal(shape).astype("float32")))
     if not layers:
         return None, 0, 0
-    modes = [up is None for up in upstream]  # True: planes of an in-place pool
 
     def run_one(index, plans, extra, x, planes_only):
         # Each exchange gets its own collective name: the exchanges here do not depend on
@@ -153,7 +155,7 @@ def _halo_exchange_fn(strategy, model, seed: int):
         # Independent exchanges in one graph would otherwise be negotiated by Horovod
         # together and hide the per-collective latency the real step pays.
         tapes, extended, inputs_used, token = [], [], [], tf.constant(0.0)
-        for index, ((_, plans, extra, _), x, planes_only) in enumerate(zip(layers, xs, modes)):
+        for index, ((plans, extra, planes_only, _), x) in enumerate(zip(layers, xs)):
             with tf.GradientTape() as tape:
                 x = after(token, x)
                 tape.watch(x)
