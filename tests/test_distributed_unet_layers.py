@@ -18,8 +18,14 @@ DATA_PARALLEL = ["transpose-k2s2-same-relu-nobias", "transpose-k3s1-same", "upsa
 # (spatial_shape, graph-mode layer cases, eager-mode layer cases, model checks) per world
 # size; (2, 1, 1) on 4 ranks is 2 data groups x 2 spatial ranks.
 MESHES = {
-    2: [((2, 1, 1), ALL, EAGER_CASES, {"skip", "loss"}), ((1, 1, 2), ALL, [], {"skip"})],
-    4: [((2, 2, 1), ALL, [], {"skip", "loss"}), ((2, 1, 1), DATA_PARALLEL, [], {"loss"})],
+    2: [
+        ((2, 1, 1), ALL, EAGER_CASES, {"skip", "loss", "branches", "eager_branches"}),
+        ((1, 1, 2), ALL, [], {"skip", "branches"}),
+    ],
+    4: [
+        ((2, 2, 1), ALL, [], {"skip", "loss", "branches"}),
+        ((2, 1, 1), DATA_PARALLEL, [], {"loss", "branches"}),
+    ],
 }
 
 
@@ -100,3 +106,24 @@ def test_per_voxel_loss_gradients_average_to_the_global_mean_loss_gradient(unet_
     per_rank = unet_suites(np_)
     _assert_within_tolerance(per_rank, (shape, "loss", True))
     assert per_rank[0][(shape, "loss", True)]["loss_value"] > 0.5  # a real loss, not ~0
+
+
+@pytest.mark.parametrize("np_,shape", list(_params("branches")))
+def test_parallel_exchanging_branches_in_a_tf_function(unet_suites, np_, shape):
+    """Three branches whose halo exchanges do not depend on each other (conv -> average
+    pool, conv -> max pool, conv -> max pool), added: forward and gradients equal the
+    plain Keras twin. Automatic differentiation reaches the branches' gradient exchanges
+    in an order that depends on each rank's shard; in a graph they are paired by the
+    forward op's name, and are never merged by graph optimization (on a 2x1x1 mesh the
+    last rank gets equal, empty gradients back from two branches)."""
+    _assert_within_tolerance(unet_suites(np_), (shape, "branches", True))
+
+
+def test_parallel_exchanging_branches_run_eagerly_raise(unet_suites):
+    """Run eagerly on 2x1x1, the two ranks differentiate the branches' exchanges in
+    different orders: the step raises SpatialNotSupportedError on every rank (naming
+    the cure, a tf.function) instead of returning wrong weight gradients."""
+    for rank, result in enumerate(unet_suites(2)):
+        message = result[((2, 1, 1), "branches", False)].get("error", "")
+        assert "reached the gradients of different collectives" in message, f"rank {rank}: {result}"
+        assert "tf.function" in message

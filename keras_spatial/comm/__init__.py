@@ -17,6 +17,9 @@ from keras_spatial.comm.collectives import broadcast
 from keras_spatial.comm.collectives import grouped_allreduce
 from keras_spatial.comm.collectives import broadcast_object
 from keras_spatial.comm.collectives import allgather_object
+from keras_spatial.comm.collectives import ForwardMark
+from keras_spatial.comm.collectives import backward_of
+from keras_spatial.comm.collectives import mark_forward
 
 __all__ = [
     "available",
@@ -30,4 +33,7 @@ __all__ = [
     "grouped_allreduce",
     "broadcast_object",
     "allgather_object",
+    "ForwardMark",
+    "backward_of",
+    "mark_forward",
 ]

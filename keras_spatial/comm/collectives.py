@@ -6,13 +6,35 @@ local graphs differ (a shard that crops, a shard that pads), so callers name ops
 layer and purpose; TensorFlow's own uniquifying keeps repeated calls apart in one graph.
 Each op's gradient is written beside it, named after the op, as the adjoint of the
 forward operation (DESIGN.md, "Gradient rule").
+
+Collectives created by a gradient function need more care, because automatic
+differentiation visits a model's ops in an order that depends on each rank's local graph
+(breadth first from the loss), and those graphs differ between ranks. When two
+collectives do not depend on each other (parallel branches of a model), ranks can reach
+their gradients in different orders. `backward_of` makes that safe:
+
+* in a `tf.function` (how `model.fit` runs), a gradient's collectives are named after
+  their forward op, so Horovod pairs them by name whatever the order, and carry a control
+  dependency on that op, so that graph optimization never merges two of them whose
+  inputs happen to be equal on one rank (a rank that receives nothing back gets equal,
+  empty gradients from every branch) but not on another;
+* run eagerly, each collective completes before the next starts, so the order itself
+  must agree: the ranks first compare which forward collective they are differentiating
+  (one small allgather), and raise `SpatialNotSupportedError` instead of pairing one
+  branch's gradient with another's.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import contextlib
+import dataclasses
+import itertools
+import threading
+from typing import Any, Iterator, Optional, Sequence
 
 import tensorflow as tf
+
+from keras_spatial.errors import SpatialNotSupportedError
 
 
 def _hvd():
@@ -21,12 +43,93 @@ def _hvd():
     return hvd
 
 
+_eager_sequence = itertools.count()
+_backward = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardMark:
+    """The forward op of a differentiable collective, as its gradient function needs it.
+
+    Attributes:
+        op: the forward op, in a graph (None when executing eagerly).
+        sequence: run eagerly, the number of forward collectives this process marked
+            before this one. Every rank runs the same forward program in the same order,
+            so equal marks have equal sequence numbers on all ranks. None in a graph.
+    """
+
+    op: Any
+    sequence: Optional[int]
+
+
+def mark_forward(tensor: tf.Tensor) -> ForwardMark:
+    """Mark `tensor`'s op (the result of a collective) as a forward op whose gradient
+    function will communicate inside `backward_of` the returned mark."""
+    if tf.executing_eagerly():
+        return ForwardMark(op=None, sequence=next(_eager_sequence))
+    return ForwardMark(op=tensor.op, sequence=None)
+
+
+@contextlib.contextmanager
+def backward_of(mark: ForwardMark, process_set: Any) -> Iterator[None]:
+    """Scope of a gradient function's collectives (see the module docstring).
+
+    In a graph, collectives created inside are named `<forward op name>_<name>` and run
+    after the forward op. Executing eagerly, the ranks of `process_set` first check that
+    they all differentiate the same forward collective.
+
+    Raises:
+        SpatialNotSupportedError: executing eagerly, when the ranks of `process_set`
+            reach the gradients of different collectives: the model has branches that
+            communicate without depending on each other. Run the step in a
+            `tf.function` (the default of `model.fit`; not `run_eagerly=True`).
+    """
+    if mark.op is None:
+        _check_backward_order(mark, process_set)
+        yield
+        return
+    stack = getattr(_backward, "stack", None)
+    if stack is None:
+        stack = _backward.stack = []
+    stack.append(mark.op.name)
+    try:
+        with tf.control_dependencies([mark.op]):
+            yield
+    finally:
+        stack.pop()
+
+
+def _check_backward_order(mark: ForwardMark, process_set: Any) -> None:
+    sequences = _hvd().allgather(
+        tf.constant([mark.sequence], tf.int64), name="ks_backward_order", process_set=process_set
+    ).numpy()
+    if (sequences != mark.sequence).any():
+        raise SpatialNotSupportedError(
+            "Run eagerly, the ranks of a spatial group reached the gradients of different "
+            "collectives (forward collective numbers by rank: "
+            f"{sequences.tolist()}). The model has branches that exchange halos or reduce "
+            "over ranks without depending on each other, and automatic differentiation "
+            "visits them in an order that depends on each rank's shard. Run the training "
+            "step in a tf.function (model.fit does unless run_eagerly=True), where such "
+            "collectives are paired by name."
+        )
+
+
+def _named(name: str) -> str:
+    """`name`, prefixed by the forward op's name inside a graph's `backward_of`."""
+    stack = getattr(_backward, "stack", None)
+    if stack and not tf.executing_eagerly():
+        return f"{stack[-1]}_{name}"
+    return name
+
+
 def alltoall(
     x: tf.Tensor,
     send_splits: Sequence[int],
     recv_splits: Sequence[int],
     process_set: Any,
     name: str,
+    after: Sequence[tf.Tensor] = (),
 ) -> tf.Tensor:
     """Send `x[offsets[r]:offsets[r]+send_splits[r]]` to rank r of `process_set`.
 
@@ -34,6 +137,10 @@ def alltoall(
     geometry), so the received tensor has a static leading extent `sum(recv_splits)`.
     The gradient is an alltoall with the splits swapped: each received row's gradient
     goes back to the rank that sent the row.
+
+    `after`: tensors the exchange runs after, in a graph. Pass the tensor `x` was cut
+    from: it keeps apart, in graph optimization, exchanges of different tensors whose
+    buffers look alike on one rank (empty ones, where a rank sends nothing).
     """
     hvd = _hvd()
     send = [int(s) for s in send_splits]
@@ -43,18 +150,24 @@ def alltoall(
 
     @tf.custom_gradient
     def _alltoall(tensor):
-        received, _ = hvd.alltoall(
-            tensor, splits=tf.constant(send, tf.int32), name=name, process_set=process_set
-        )
+        with tf.control_dependencies(list(after)):
+            received, _ = hvd.alltoall(
+                tensor,
+                splits=tf.constant(send, tf.int32),
+                name=_named(name),
+                process_set=process_set,
+            )
+        mark = mark_forward(received)
         received = tf.ensure_shape(received, out_shape)
 
         def grad(upstream):
-            returned, _ = hvd.alltoall(
-                upstream,
-                splits=tf.constant(recv, tf.int32),
-                name=f"{name}_grad",
-                process_set=process_set,
-            )
+            with backward_of(mark, process_set):
+                returned, _ = hvd.alltoall(
+                    upstream,
+                    splits=tf.constant(recv, tf.int32),
+                    name=_named("grad"),
+                    process_set=process_set,
+                )
             return tf.ensure_shape(returned, in_shape)
 
         return received, grad
@@ -75,12 +188,14 @@ def allreduce(
 
     @tf.custom_gradient
     def _allreduce(tensor):
-        reduced = hvd.allreduce(tensor, op=reduce_op, name=name, process_set=process_set)
+        reduced = hvd.allreduce(tensor, op=reduce_op, name=_named(name), process_set=process_set)
+        mark = mark_forward(reduced)
 
         def grad(upstream):
-            return hvd.allreduce(
-                upstream, op=reduce_op, name=f"{name}_grad", process_set=process_set
-            )
+            with backward_of(mark, process_set):
+                return hvd.allreduce(
+                    upstream, op=reduce_op, name=_named("grad"), process_set=process_set
+                )
 
         return reduced, grad
 
@@ -94,7 +209,7 @@ def allgather(x: tf.Tensor, process_set: Any, name: str) -> tf.Tensor:
     which is not the adjoint of the spatial gather (see `keras_spatial.ops.gather`).
     """
     hvd = _hvd()
-    return hvd.allgather(tf.stop_gradient(x), name=name, process_set=process_set)
+    return hvd.allgather(tf.stop_gradient(x), name=_named(name), process_set=process_set)
 
 
 def grouped_allreduce(
@@ -104,14 +219,14 @@ def grouped_allreduce(
     hvd = _hvd()
     reduce_op = {"sum": hvd.Sum, "average": hvd.Average}[op]
     return hvd.grouped_allreduce(
-        list(tensors), op=reduce_op, name=name, process_set=process_set
+        list(tensors), op=reduce_op, name=_named(name), process_set=process_set
     )
 
 
 def broadcast(x: tf.Tensor, root: int, process_set: Any, name: str) -> tf.Tensor:
     """`x` of rank `root` (a rank of the world) on every rank of `process_set`."""
     hvd = _hvd()
-    return hvd.broadcast(x, root, name=name, process_set=process_set)
+    return hvd.broadcast(x, root, name=_named(name), process_set=process_set)
 
 
 def broadcast_object(obj: Any, root: int = 0, name: Optional[str] = None) -> Any:

@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_spatial import comm
 from keras_spatial.layers.spatial_window import active_spatial_strategy, check_channels_last
 
 _SPATIAL_AXES = (1, 2, 3)
@@ -129,9 +130,11 @@ def global_max(x, strategy):
         count = strategy.allreduce(
             tf.reduce_sum(attains, axis=_SPATIAL_AXES, keepdims=True), "sum", "spatial"
         )
+        mark = comm.mark_forward(maximum)
 
         def grad(upstream):
-            total = strategy.allreduce(upstream, "sum", "spatial")
+            with comm.backward_of(mark, strategy.spatial_process_set):
+                total = strategy.allreduce(upstream, "sum", "spatial")
             return attains / count * total
 
         return maximum, grad

@@ -25,12 +25,14 @@ def gather_volume(x: tf.Tensor, strategy, name: str = "ks_gather") -> tf.Tensor:
     @tf.custom_gradient
     def _gather(local):
         stacked = comm.allgather(local, process_set, name=name)
+        mark = comm.mark_forward(stacked)
         grid = tf.reshape(stacked, [sd, sh, sw, -1, d, h, w, c])
         grid = tf.transpose(grid, [3, 0, 4, 1, 5, 2, 6, 7])
         volume = tf.reshape(grid, [-1, sd * d, sh * h, sw * w, c])
 
         def grad(upstream):
-            total = comm.allreduce(upstream, process_set, name=f"{name}_grad", op="sum")
+            with comm.backward_of(mark, process_set):
+                total = comm.allreduce(upstream, process_set, name="grad", op="sum")
             return total[:, i_d * d : (i_d + 1) * d, i_h * h : (i_h + 1) * h, i_w * w : (i_w + 1) * w, :]
 
         return volume, grad

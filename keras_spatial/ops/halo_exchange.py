@@ -105,7 +105,8 @@ def exchange_axis(
         front_shape = [0] + [x.shape[a] for a in range(x.shape.rank) if a != axis]
         buffer = tf.reshape(_slice_axis(empty_from, axis, 0, 0), front_shape)
     received = comm.alltoall(
-        buffer, send_splits, recv_splits, process_set, name=f"{name}_{SPATIAL_AXES[spatial_axis]}"
+        buffer, send_splits, recv_splits, process_set,
+        name=f"{name}_{SPATIAL_AXES[spatial_axis]}", after=[x],
     )
     if not sources:
         return [], [_from_front(received, axis)]

@@ -175,6 +175,31 @@ def segmentation_model(global_shape, classes=3):
     return keras.Model(inputs, keras.layers.Softmax(name="probabilities")(y))
 
 
+def branches_model(global_shape):
+    """Three branches from the input, added: conv 3 -> average pool 3/2, conv 5 -> max
+    pool 3/2 and conv 1 -> max pool 2/2; the sum is scaled by the global max of the
+    second conv, shifted by the global average of the third branch, and convolved. The
+    branches' halo exchanges and reductions do not depend on each other, so ranks may
+    reach their gradients in different orders."""
+    import keras
+
+    import keras_spatial as ks
+
+    inputs = ks.Input(global_shape)
+    a = ks.layers.SpatialConv3D(3, 3, padding="same", name="conv_a")(inputs)
+    a = ks.layers.SpatialAveragePooling3D(3, 2, padding="same", name="avg_a")(a)
+    b_conv = ks.layers.SpatialConv3D(3, 5, padding="same", activation="tanh", name="conv_b")(inputs)
+    b = ks.layers.SpatialMaxPooling3D(3, 2, padding="same", name="max_b")(b_conv)
+    c = ks.layers.SpatialConv3D(3, 1, name="conv_c")(inputs)
+    c = ks.layers.SpatialMaxPooling3D(2, name="max_c")(c)
+    y = keras.layers.Add(name="join")([a, b, c])
+    # Two more parallel collectives: global pools of two branches' convolutions
+    # (broadcast over the volume), whose gradients are allreduces.
+    y = keras.layers.Multiply(name="scale")([y, ks.layers.SpatialGlobalMaxPooling3D(keepdims=True, name="gmax")(b_conv)])
+    y = keras.layers.Add(name="shift")([y, ks.layers.SpatialGlobalAveragePooling3D(keepdims=True, name="gavg")(c)])
+    return keras.Model(inputs, ks.layers.SpatialConv3D(2, 3, padding="same", name="head")(y))
+
+
 MODEL_SHAPE = (8, 8, 8, 2)
 
 
@@ -191,6 +216,27 @@ def check_skip_model(strategy, graph: bool, seed=11) -> dict:
     rng = np.random.default_rng(seed)
     x = rng.uniform(-1, 1, (strategy.data_size, *MODEL_SHAPE)).astype("float32")
     return _cotangent_checks(strategy, model, reference, x, rng, graph)
+
+
+def check_branches(strategy, graph: bool, seed=31) -> dict:
+    """`branches_model` on shards vs `to_keras_model` of it on the volume. Run eagerly,
+    a step whose ranks reach the branches' gradients in different orders must raise
+    SpatialNotSupportedError (returned as {'error': message}) instead of pairing one
+    branch's gradient exchange with another's."""
+    import keras
+
+    import keras_spatial as ks
+
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        model = branches_model(MODEL_SHAPE)
+    reference = ks.to_keras_model(model)
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-1, 1, (strategy.data_size, *MODEL_SHAPE)).astype("float32")
+    try:
+        return _cotangent_checks(strategy, model, reference, x, rng, graph)
+    except ks.SpatialNotSupportedError as error:
+        return {"error": str(error)}
 
 
 def check_voxel_loss(strategy, graph: bool, seed=21, batch=2) -> dict:
@@ -246,7 +292,8 @@ def check_voxel_loss(strategy, graph: bool, seed=21, batch=2) -> dict:
 
 def run_suite(meshes) -> dict:
     """Everything one launch checks. `meshes` holds (spatial_shape, layer case names,
-    eager case names, checks) with checks a subset of {'skip', 'loss'}."""
+    eager case names, checks) with checks a subset of {'skip', 'loss', 'branches',
+    'eager_branches'}."""
     worker_setup()
     import keras_spatial as ks
 
@@ -264,6 +311,10 @@ def run_suite(meshes) -> dict:
             results[(mesh, "skip", True)] = check_skip_model(strategy, graph=True)
         if "loss" in checks:
             results[(mesh, "loss", True)] = check_voxel_loss(strategy, graph=True)
+        if "branches" in checks:
+            results[(mesh, "branches", True)] = check_branches(strategy, graph=True)
+        if "eager_branches" in checks:
+            results[(mesh, "branches", False)] = check_branches(strategy, graph=False)
     # No rank may leave (and shut Horovod down) while another is still communicating.
     strategy.barrier()
     return results
