@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 HOROVODRUN := $(VENV)/bin/horovodrun --gloo -np 2 -H localhost:2
 
-.PHONY: venv test test-fast demo demo-layers claim bench bench-halo profile clean
+.PHONY: venv test test-fast demo demo-layers claim bench bench-halo bench-latency profile clean
 
 venv: $(STAMP)
 
@@ -46,6 +46,10 @@ profile: $(STAMP)
 
 bench-halo: $(STAMP)
 	$(HOROVODRUN) $(PY) tools/bench_halo.py
+
+# Latency of one small allreduce / alltoall in a tf.function chain, vs loopback TCP.
+bench-latency: $(STAMP)
+	$(HOROVODRUN) $(PY) tools/bench_collective_latency.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
