@@ -105,8 +105,8 @@ def _check_backward_order(mark: ForwardMark, process_set: Any) -> None:
     ).numpy()
     if (sequences != mark.sequence).any():
         raise SpatialNotSupportedError(
-            "Run eagerly, the ranks of a spatial group reached the gradients of different "
-            "collectives (forward collective numbers by rank: "
+            "Run eagerly, the ranks of one collective's process set reached the gradients "
+            "of different collectives (forward collective numbers by rank: "
             f"{sequences.tolist()}). The model has branches that exchange halos or reduce "
             "over ranks without depending on each other, and automatic differentiation "
             "visits them in an order that depends on each rank's shard. Run the training "
