@@ -2,8 +2,8 @@
 
 import keras
 import tensorflow as tf
-from keras import ops
 
+from keras_spatial import comm
 from keras_spatial.errors import SpatialNotSupportedError
 from keras_spatial.strategy import get_strategy
 
@@ -99,17 +99,8 @@ class SpatialBatchNormalization(keras.layers.BatchNormalization):
                 f"several ranks. Received: mask.shape={tuple(mask.shape)}, "
                 f"layer={self.name!r}"
             )
-        axes = list(range(len(inputs.shape) - 1))  # all but the channel axis (see build)
-        local_count = tf.cast(tf.reduce_prod(tf.shape(inputs, out_type=tf.int64)[:-1]), inputs.dtype)
-        sums_and_count = strategy.allreduce(
-            ops.concatenate([ops.sum(inputs, axis=axes), local_count[None]], axis=0), "sum", group
-        )
-        count = sums_and_count[-1]
-        mean = sums_and_count[:-1] / count
-        # As tf.nn.moments: deviations from the (stopped) mean, whose gradient is zero.
-        squared_deviations = ops.sum(ops.square(inputs - ops.stop_gradient(mean)), axis=axes)
-        variance = strategy.allreduce(squared_deviations, "sum", group) / count
-        return mean, variance
+        process_set = strategy.world_process_set if group == "world" else strategy.spatial_process_set
+        return global_moments(inputs, process_set)
 
     def call(self, inputs, training=None, mask=None):
         outputs = super().call(inputs, training=training, mask=mask)
@@ -123,3 +114,62 @@ class SpatialBatchNormalization(keras.layers.BatchNormalization):
             return
         for variable in self.non_trainable_variables:
             variable.assign(strategy.allreduce(variable, "average", "data"))
+
+
+def global_moments(x, process_set):
+    """Per-channel mean and variance of `x` over every element the ranks of
+    `process_set` hold together (all axes but the last).
+
+    Forward: each rank computes its count n_r, mean m_r and sum of squared deviations
+    M_r = sum (x - m_r)^2 (two passes over its own data, as `tf.nn.moments`), and ONE
+    allgather brings every rank's (n_r, m_r, M_r). They are combined as Chan et al.'s
+    parallel algorithm does: mean = sum n_r m_r / N, variance = (sum M_r + sum n_r
+    (m_r - mean)^2) / N. No large sums are subtracted, so the result equals the
+    two-pass moments of the whole batch to float32 rounding, with one collective where
+    a sum followed by a sum of squared deviations from the global mean needs two in a
+    row.
+
+    Backward: as for `tf.nn.moments` on the whole batch (the mean is stopped inside the
+    variance, whose gradient through the mean is zero anyway): d/dx = dmean / N +
+    dvar * 2 (x - mean) / N, where dmean and dvar are the upstream gradients summed
+    over the ranks (every rank's loss uses the same statistics): ONE allreduce-SUM.
+
+    Args:
+        x: a tensor, channels last.
+        process_set: the Horovod process set of the ranks sharing the statistics.
+
+    Returns:
+        (mean, variance), each of shape (channels,).
+    """
+    axes = list(range(len(x.shape) - 1))
+    channels = x.shape[-1]
+
+    @tf.custom_gradient
+    def _moments(inputs):
+        count = tf.cast(tf.reduce_prod(tf.shape(inputs, out_type=tf.int64)[:-1]), inputs.dtype)
+        local_mean = tf.reduce_mean(inputs, axis=axes)
+        local_deviations = tf.reduce_sum(tf.square(inputs - local_mean), axis=axes)
+        local = tf.concat([count[None], local_mean, local_deviations], axis=0)
+        every_rank = comm.allgather(local[None], process_set, name="ks_moments")
+        mark = comm.mark_forward(every_rank)
+        counts = every_rank[:, :1]
+        means = every_rank[:, 1 : 1 + channels]
+        deviations = every_rank[:, 1 + channels :]
+        total = tf.reduce_sum(counts)
+        mean = tf.reduce_sum(counts * means, axis=0) / total
+        spread = tf.reduce_sum(counts * tf.square(means - mean), axis=0)
+        variance = (tf.reduce_sum(deviations, axis=0) + spread) / total
+
+        def grad(upstream_mean, upstream_variance):
+            upstream = [
+                tf.zeros_like(mean) if g is None else g
+                for g in (upstream_mean, upstream_variance)
+            ]
+            with comm.backward_of(mark, process_set):
+                summed = comm.allreduce(tf.concat(upstream, axis=0), process_set, name="grad")
+            d_mean, d_variance = summed[:channels], summed[channels:]
+            return d_mean / total + d_variance * (2.0 / total) * (inputs - mean)
+
+        return (mean, variance), grad
+
+    return _moments(x)
