@@ -134,6 +134,13 @@ def global_moments(x, process_set):
     dvar * 2 (x - mean) / N, where dmean and dvar are the upstream gradients summed
     over the ranks (every rank's loss uses the same statistics): ONE allreduce-SUM.
 
+    Cost: the allgather carries 2 C + 1 floats per rank (C channels), so it grows with
+    the number of ranks P, where an allreduce of sums would not: 131 KB for P = 64 and
+    C = 256, 2 MB for P = 1024. DESIGN.md's single allreduce of sum, sum of squares and
+    count would stay at 2 C + 1 floats but loses about mean^2 / variance x float32
+    epsilon of the variance (an estimate: 5e-3 relative for a mean of 300 and a
+    standard deviation of 1), which is why it is not used.
+
     Args:
         x: a tensor, channels last.
         process_set: the Horovod process set of the ranks sharing the statistics.
