@@ -24,6 +24,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_halo import median_seconds  # noqa: E402  (tools/, this script's folder)
+
 
 def loopback_round_trip_seconds(messages: int = 2000) -> float:
     """Mean round trip of a 32-byte message between two local processes, in seconds."""
@@ -49,18 +51,6 @@ def loopback_round_trip_seconds(messages: int = 2000) -> float:
     connection.close()
     server.close()
     return elapsed / messages
-
-
-def per_collective_seconds(fn, chain: int, repeats: int) -> float:
-    fn()  # trace and warm up
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2] / chain
 
 
 def main(argv=None) -> None:
@@ -101,8 +91,8 @@ def main(argv=None) -> None:
     small = tf.ones([8])
     plane = tf.ones([1, 8, 8, 4])
     rows = [
-        ("allreduce, 8 floats", per_collective_seconds(lambda: allreduces(small).numpy(), args.chain, args.repeats)),
-        ("alltoall, one 8x8x4 plane", per_collective_seconds(lambda: alltoalls(plane).numpy(), args.chain, args.repeats)),
+        ("allreduce, 8 floats", median_seconds(lambda: allreduces(small).numpy(), args.repeats) / args.chain),
+        ("alltoall, one 8x8x4 plane", median_seconds(lambda: alltoalls(plane).numpy(), args.repeats) / args.chain),
     ]
     strategy.barrier()
     if strategy.rank == 0:
