@@ -7,7 +7,7 @@ each synchronized batch-norm statistic waits for the previous layer. So the time
 spends in them is about (number of collectives) x (latency of one small collective).
 This tool measures that latency through `keras_spatial.comm`, in a `tf.function` like a
 training step: a chain of `--chain` allreduces of 8 floats (each input depends on the
-previous result), and a chain of alltoalls of one 8x8x8x4 float plane per rank. It
+previous result), and a chain of alltoalls of one 8x8x4 float plane per rank. It
 reports the median over `--repeats` calls of the time per collective, next to the
 round-trip time of a 32-byte message over loopback TCP between two processes of this
 machine (what the network itself costs). Rank 0 prints the table.

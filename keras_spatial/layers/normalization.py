@@ -76,22 +76,22 @@ class SpatialBatchNormalization(keras.layers.BatchNormalization):
             )
         super().build(input_shape)
 
-    def _statistics_group(self):
-        """(strategy, group) whose ranks share the statistics, or (None, None)."""
+    def _statistics_process_set(self):
+        """The process set of the ranks that share the statistics, or None."""
         strategy = get_strategy()
         if strategy is None or strategy.size == 1:
-            return None, None
+            return None
         if self.synchronized:
-            return strategy, "world"
+            return strategy.world_process_set
         if strategy.is_spatial:
-            return strategy, "spatial"
-        return None, None
+            return strategy.spatial_process_set
+        return None
 
     def _moments(self, inputs, mask):
         # Overrides the hook `keras.layers.BatchNormalization.call` uses for the batch
         # statistics in training (pinned by tests/test_head_layers_single_process.py).
-        strategy, group = self._statistics_group()
-        if strategy is None:
+        process_set = self._statistics_process_set()
+        if process_set is None:
             return super()._moments(inputs, mask)
         if mask is not None:
             raise SpatialNotSupportedError(
@@ -99,7 +99,6 @@ class SpatialBatchNormalization(keras.layers.BatchNormalization):
                 f"several ranks. Received: mask.shape={tuple(mask.shape)}, "
                 f"layer={self.name!r}"
             )
-        process_set = strategy.world_process_set if group == "world" else strategy.spatial_process_set
         return global_moments(inputs, process_set)
 
     def call(self, inputs, training=None, mask=None):
