@@ -88,6 +88,17 @@ def test_mesh_coordinates(suites, np_):
             assert info == {"rank": rank, "coords": mesh.coords(rank), "data_index": mesh.data_index(rank)}
 
 
+@pytest.mark.parametrize("np_", [2, 4, 8])
+def test_horovod_threads_run_only_on_idle_cores(suites, np_):
+    # keras_spatial.comm puts the threads hvd.init starts (its background thread and Gloo's)
+    # into SCHED_IDLE, and no other thread: TensorFlow's and the main thread keep theirs.
+    per_rank, _ = suites(np_)
+    for rank, r in enumerate(per_rank):
+        classes = r["thread_classes"]
+        assert classes["idle"] >= 2, f"rank {rank}: {classes}"
+        assert classes["main"] == "other" and classes["other"] >= 3, f"rank {rank}: {classes}"
+
+
 def test_world_not_divisible_by_spatial_size_raises(suites):
     per_rank, _ = suites(4)
     for r in per_rank:

@@ -166,6 +166,21 @@ def run_stack_and_save(strategy, path_prefix, global_shape=(16, 16, 16, 2)) -> d
     return {"local_output_shape": tuple(y_local.shape), "global_output_shape": y_global.shape}
 
 
+def thread_classes() -> dict:
+    """How many of this process's threads are in each Linux scheduling class, and the
+    main thread's class ("idle" for SCHED_IDLE, "other" for anything else)."""
+    import os
+    import threading
+
+    def is_idle(thread_id):
+        return os.sched_getscheduler(thread_id) == os.SCHED_IDLE
+
+    ids = [int(t) for t in os.listdir("/proc/self/task")]
+    idle = sum(1 for t in ids if is_idle(t))
+    return {"idle": idle, "other": len(ids) - idle,
+            "main": "idle" if is_idle(threading.main_thread().native_id) else "other"}
+
+
 def run_suite(meshes, save_dir=None, bad_spatial_shape=None) -> dict:
     """Everything one launch checks. `meshes` holds (spatial_shape, cases, graph).
 
@@ -184,6 +199,7 @@ def run_suite(meshes, save_dir=None, bad_spatial_shape=None) -> dict:
             results["bad_mesh"] = str(error)
     for spatial_shape, cases, graph in meshes:
         strategy = ks.SpatialStrategy(spatial_shape)
+        results.setdefault("thread_classes", thread_classes())
         results[("mesh", tuple(spatial_shape))] = {
             "rank": strategy.rank, "coords": strategy.coords, "data_index": strategy.data_index,
         }
