@@ -167,18 +167,27 @@ def run_stack_and_save(strategy, path_prefix, global_shape=(16, 16, 16, 2)) -> d
 
 
 def thread_classes() -> dict:
-    """How many of this process's threads are in each Linux scheduling class, and the
-    main thread's class ("idle" for SCHED_IDLE, "other" for anything else)."""
+    """How many of this process's threads are in SCHED_IDLE ("idle") or another class
+    ("other"), the main thread's class, and the names of TensorFlow's threads (named
+    "tf_...") that are in SCHED_IDLE."""
     import os
     import threading
 
     def is_idle(thread_id):
         return os.sched_getscheduler(thread_id) == os.SCHED_IDLE
 
+    def name(thread_id):
+        with open(f"/proc/self/task/{thread_id}/comm") as f:
+            return f.read().strip()
+
     ids = [int(t) for t in os.listdir("/proc/self/task")]
-    idle = sum(1 for t in ids if is_idle(t))
-    return {"idle": idle, "other": len(ids) - idle,
-            "main": "idle" if is_idle(threading.main_thread().native_id) else "other"}
+    idle = [t for t in ids if is_idle(t)]
+    return {
+        "idle": len(idle), "other": len(ids) - len(idle),
+        "main": "idle" if is_idle(threading.main_thread().native_id) else "other",
+        "tensorflow_idle": [name(t) for t in idle if name(t).startswith("tf_")],
+        "tensorflow_threads": sum(1 for t in ids if name(t).startswith("tf_")),
+    }
 
 
 def run_suite(meshes, save_dir=None, bad_spatial_shape=None) -> dict:
@@ -199,7 +208,6 @@ def run_suite(meshes, save_dir=None, bad_spatial_shape=None) -> dict:
             results["bad_mesh"] = str(error)
     for spatial_shape, cases, graph in meshes:
         strategy = ks.SpatialStrategy(spatial_shape)
-        results.setdefault("thread_classes", thread_classes())
         results[("mesh", tuple(spatial_shape))] = {
             "rank": strategy.rank, "coords": strategy.coords, "data_index": strategy.data_index,
         }
@@ -208,6 +216,7 @@ def run_suite(meshes, save_dir=None, bad_spatial_shape=None) -> dict:
         if save_dir is not None:
             prefix = f"{save_dir}/stack_{'x'.join(map(str, spatial_shape))}"
             results[("stack", tuple(spatial_shape))] = run_stack_and_save(strategy, prefix)
+    results["thread_classes"] = thread_classes()  # TensorFlow's thread pools exist by now
     # No rank may leave (and shut Horovod down) while another group is still working.
     strategy.barrier()
     return results
