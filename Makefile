@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 HOROVODRUN := $(VENV)/bin/horovodrun --gloo -np 2 -H localhost:2
 
-.PHONY: venv test test-fast demo demo-layers claim bench bench-halo bench-latency profile clean
+.PHONY: venv test test-fast demo demo-layers claim bench bench-halo bench-latency bench-interference profile clean
 
 venv: $(STAMP)
 
@@ -50,6 +50,10 @@ bench-halo: $(STAMP)
 # Latency of one small allreduce / alltoall in a tf.function chain, vs loopback TCP.
 bench-latency: $(STAMP)
 	$(HOROVODRUN) $(PY) tools/bench_collective_latency.py
+
+# What an idle Horovod job costs two training processes, per KERAS_SPATIAL_COMM_THREADS.
+bench-interference: $(STAMP)
+	$(PY) tools/bench_comm_interference.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
