@@ -87,11 +87,16 @@ def run_steps(args, env: dict) -> list[float]:
     workers = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
                for _ in range(args.processes)]
     medians = []
-    for worker in workers:
-        out, _ = worker.communicate(timeout=args.timeout)
-        if worker.returncode != 0:
-            raise RuntimeError(f"a step worker failed (exit {worker.returncode})")
-        medians.append(json.loads(out.strip().splitlines()[-1])["median"])
+    try:
+        for worker in workers:
+            out, _ = worker.communicate(timeout=args.timeout)
+            if worker.returncode != 0:
+                raise RuntimeError(f"a step worker failed (exit {worker.returncode})")
+            medians.append(json.loads(out.strip().splitlines()[-1])["median"])
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
     return medians
 
 
@@ -114,7 +119,7 @@ def run_with_idle_job(args, env: dict, policy: str) -> tuple[list[float], float]
         out, _ = job.communicate(timeout=idle_seconds + args.timeout)
     finally:
         if job.poll() is None:
-            job.kill()
+            common._terminate_group(job)  # horovodrun and its ranks
     if job.returncode != 0:
         raise RuntimeError(f"the idle Horovod job failed (exit {job.returncode})")
     cpu = sum(json.loads(line.split(">:", 1)[-1])["cpu"] for line in out.splitlines() if '"cpu"' in line)

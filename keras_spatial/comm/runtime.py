@@ -120,10 +120,11 @@ def comm_thread_policy() -> str:
     Horovod's background thread wakes every `HOROVOD_CYCLE_TIME` (1 ms) to coordinate
     with the other ranks even when nothing is queued; on a machine whose cores all run
     training threads, those wake-ups preempt the computation. Measured on 2 cores, an
-    idle 2-rank Horovod job made two independent training processes 30-40% slower; in
-    SCHED_IDLE it cost them nothing measurable (docs/benchmarks.md). Collectives still
-    progress as soon as a rank waits for one, because its core then falls idle.
-    Since its wake-ups then cost the computation nothing, the "idle" policy also
+    idle 2-rank Horovod job made two independent training processes 15-40% slower; in
+    SCHED_IDLE its cost was within the run-to-run noise of about 10%
+    (docs/benchmarks.md). Collectives still progress as soon as a rank waits for one,
+    because its core then falls idle.
+    Since its wake-ups then cost the computation little, the "idle" policy also
     shortens Horovod's cycle to IDLE_POLICY_CYCLE_TIME_MS (0.2 ms) unless
     HOROVOD_CYCLE_TIME is set: a small collective then took about 0.6 ms instead of
     1.1-1.4 ms on 2 cores (3-4 ms with policy "normal" and Horovod's 1 ms default).
