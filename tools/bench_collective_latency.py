@@ -24,7 +24,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_halo import median_seconds  # noqa: E402  (tools/, this script's folder)
+import bench_common as common  # noqa: E402  (tools/, this script's folder)
+from bench_halo import median_seconds  # noqa: E402
 
 
 def loopback_round_trip_seconds(messages: int = 2000) -> float:
@@ -55,11 +56,9 @@ def loopback_round_trip_seconds(messages: int = 2000) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--chain", type=int, default=50, help="collectives per call (default 50)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed calls (default 7)")
+    parser.add_argument("--chain", type=common.positive_int, default=50, help="collectives per call (default 50)")
+    parser.add_argument("--repeats", type=common.positive_int, default=7, help="timed calls (default 7)")
     args = parser.parse_args(argv)
-    if args.chain < 1 or args.repeats < 1:
-        parser.error("--chain and --repeats must be positive")
 
     import tensorflow as tf
 
@@ -99,10 +98,8 @@ def main(argv=None) -> None:
         rows.append(("loopback TCP round trip, 32 bytes (2 processes)", loopback_round_trip_seconds()))
         print(f"{size} ranks, chains of {args.chain}, median of {args.repeats} calls; "
               f"HOROVOD_CYCLE_TIME={os.environ.get('HOROVOD_CYCLE_TIME', 'default')}")
-        print("| operation | time each (ms) |")
-        print("|---|---|")
-        for label, seconds in rows:
-            print(f"| {label} | {seconds * 1e3:.3f} |")
+        print("\n".join(common.markdown_table(
+            ["operation", "time each (ms)"], [[label, f"{seconds * 1e3:.3f}"] for label, seconds in rows])))
 
 
 if __name__ == "__main__":
