@@ -9,6 +9,7 @@ from keras_spatial import data
 from keras_spatial import layers
 from keras_spatial.conversion import to_keras_model
 from keras_spatial.errors import SpatialNotSupportedError
+from keras_spatial.fused_adam import FusedAdam
 from keras_spatial.layers.core import Input
 from keras_spatial.mesh import Mesh
 from keras_spatial.optimizer import DistributedOptimizer
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DistributedOptimizer",
+    "FusedAdam",
     "callbacks",
     "data",
     "Input",

@@ -21,7 +21,7 @@ SUITES = {
     ],
     4: [
         ((2, 1, 1), ["fit-cosmoflow-adam", "fit-unet-adam", "early-stopping", "dropout-head"]),  # 2 data groups x 2
-        ((1, 2, 2), ["fit-cosmoflow-adam", "fit-unet-sgd-schedule", "checkpoint"]),
+        ((1, 2, 2), ["fit-cosmoflow-fused-adam", "fit-unet-sgd-schedule", "checkpoint"]),
     ],
 }
 

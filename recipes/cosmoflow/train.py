@@ -9,11 +9,12 @@ Usage (from the repository root)::
 Files DIR/univ_*.h5 (`full` [W, W, W, 4] int16 counts, `unitPar` [4] labels, as written
 by tools/write_universes.py) are read as log(1 + counts) (only the corner `--crop`^3 of
 each, if given), and the model starts with a fixed per-channel standardization measured on
-the first training files (stored in the model). They are split in sorted file order: the first files train, the last `--validation-fraction` of them validate (the same
-split on every rank). The model (recipes.cosmoflow.model.build_model) is trained with MSE
-and Adam, its gradients averaged over the world; rank 0 writes OUT/model.keras (every
-epoch), OUT/history.json and OUT/loss.png and prints the final validation MSE and MAE next
-to the MSE of always predicting the mean training label.
+the first training files (stored in the model). They are split in sorted file order: the
+first files train, the last `--validation-fraction` of them validate (the same split on
+every rank). The model (recipes.cosmoflow.model.build_model) is trained with MSE and Adam
+(`keras_spatial.FusedAdam`), its gradients averaged over the world; rank 0 writes
+OUT/model.keras (every epoch), OUT/history.json and OUT/loss.png and prints the final
+validation MSE and MAE next to the MSE of always predicting the mean training label.
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ def run(args: argparse.Namespace) -> dict:
     except ValueError as error:
         raise cli.BadArgument(str(error)) from None
     model.compile(
-        optimizer=strategy.distribute_optimizer(keras.optimizers.Adam(args.learning_rate)),
+        optimizer=strategy.distribute_optimizer(ks.FusedAdam(args.learning_rate)),
         loss="mse",
         metrics=["mae"],
     )

@@ -13,10 +13,11 @@ Each rank reads only its sub-volume of each sample and of its label volume.
 
 The model (`recipes.unet3d.model.build_model`) is trained with per-voxel categorical
 cross-entropy (the mean over a rank's voxels; every rank holds as many voxels, so the
-world average of those means is the global mean) and Adam, gradients averaged over the
-world. The metrics are GLOBAL Dice scores, 2|P n G| / (|P| + |G|) on the argmax, per
-class (`dice_0` background, `dice_1`, ...) and averaged over the foreground classes
-(`dice`), computed from a confusion matrix of voxel counts: see `recipes.unet3d.model.DiceScore`.
+world average of those means is the global mean) and Adam (`keras_spatial.FusedAdam`),
+gradients averaged over the world. The metrics are GLOBAL Dice scores,
+2|P n G| / (|P| + |G|) on the argmax, per class (`dice_0` background, `dice_1`, ...) and
+averaged over the foreground classes (`dice`), computed from a confusion matrix of voxel
+counts: see `recipes.unet3d.model.DiceScore`.
 
 Rank 0 writes OUT/model.keras (every epoch), OUT/history.json, OUT/loss.png, and for
 every validation file seg_XXXX.h5 a file OUT/predictions/pred_XXXX.h5 with datasets
@@ -249,7 +250,7 @@ def run(args: argparse.Namespace) -> dict:
     except (ValueError, ks.data.InvalidDataError) as error:
         raise cli.BadArgument(str(error)) from None
     model.compile(
-        optimizer=strategy.distribute_optimizer(keras.optimizers.Adam(args.learning_rate)),
+        optimizer=strategy.distribute_optimizer(ks.FusedAdam(args.learning_rate)),
         loss=keras.losses.SparseCategoricalCrossentropy(),
         metrics=dice_metrics(classes),
     )

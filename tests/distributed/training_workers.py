@@ -78,6 +78,10 @@ def make_optimizer(kind: str):
 
     if kind == "adam":
         return keras.optimizers.Adam(1e-2)
+    if kind == "fused-adam":
+        from keras_spatial import FusedAdam
+
+        return FusedAdam(1e-2)
     if kind == "sgd-schedule":
         schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=2, decay_rate=0.5)
         return keras.optimizers.SGD(schedule, momentum=0.9)
