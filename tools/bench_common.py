@@ -344,6 +344,21 @@ class TrainingStep:
         return float(self.step(self.x, self.y).numpy())
 
 
+# --optimizer of the step tools: name -> how the tables name it.
+OPTIMIZERS = {"fused_adam": "Adam (keras_spatial.FusedAdam)", "adam": "Adam (keras.optimizers.Adam)",
+              "sgd": "SGD (keras.optimizers.SGD)"}
+
+
+def add_optimizer_argument(parser) -> None:
+    """--optimizer, the same in every tool that times or measures the training step."""
+    parser.add_argument(
+        "--optimizer", choices=tuple(OPTIMIZERS), default="fused_adam",
+        help="the update after the gradient average, in every configuration of the run: "
+             "fused_adam (default: Keras's Adam in one compiled loop per variable), adam "
+             "(keras.optimizers.Adam, as before the eighth session) or sgd",
+    )
+
+
 def make_training_step(strategy, spec: dict, optimizer_name: str, seed: int) -> TrainingStep:
     """Build the model of `spec` under `strategy`, a world-averaging optimizer (built, so
     weights are broadcast and Adam's slots exist) and random local data of one sample.
@@ -359,10 +374,12 @@ def make_training_step(strategy, spec: dict, optimizer_name: str, seed: int) -> 
 
     with strategy.scope():
         model = build_benchmark_model(spec)
-    inner = {"adam": lambda: keras.optimizers.Adam(1e-3), "sgd": lambda: keras.optimizers.SGD(1e-3)}
-    if optimizer_name not in inner:
-        raise ValueError(f"`optimizer` must be one of {sorted(inner)}. Received: {optimizer_name!r}")
-    optimizer = strategy.distribute_optimizer(inner[optimizer_name]())
+    if optimizer_name not in OPTIMIZERS:
+        raise ValueError(f"`optimizer` must be one of {sorted(OPTIMIZERS)}. Received: {optimizer_name!r}")
+    import keras_spatial as ks
+
+    inner = {"adam": keras.optimizers.Adam, "fused_adam": ks.FusedAdam, "sgd": keras.optimizers.SGD}
+    optimizer = strategy.distribute_optimizer(inner[optimizer_name](1e-3))
     optimizer.build(model.trainable_variables)
     if spec.get("replicated_skip", True) and strategy.spatial_size > 1:
         # What ReplicatedLayerSync does in model.fit: gradients of layers that run on

@@ -71,7 +71,7 @@ def worker(spec: dict) -> None:
     if strategy.size != spec["ranks"]:
         raise RuntimeError(f"expected {spec['ranks']} ranks, the launcher started {strategy.size}")
     marks["horovod_init"] = common.proc_status_kib("VmRSS")
-    training = common.make_training_step(strategy, spec, "adam", seed=strategy.rank)
+    training = common.make_training_step(strategy, spec, spec["optimizer"], seed=strategy.rank)
     marks["model_optimizer_data"] = common.proc_status_kib("VmRSS")
     if strategy.size > 1:
         # Horovod allocates its fusion buffer at the first fused allreduce: a fixed cost.
@@ -254,8 +254,8 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         *common.run_header(command),
         "",
         "Model: the paper's CosmoFlow (`recipes.cosmoflow.model.build_model(W, 'paper')`, 9.4 M "
-        "parameters, no batch norm), one sample of W^3 x 4 float32, Adam, MSE, one TensorFlow "
-        "thread per rank. MiB = 2^20 bytes. Per-rank values are the WORST rank's.",
+        f"parameters, no batch norm), one sample of W^3 x 4 float32, {common.OPTIMIZERS[args.optimizer]}, "
+        "MSE, one TensorFlow thread per rank. MiB = 2^20 bytes. Per-rank values are the WORST rank's.",
         "",
         *common.markdown_table(MAIN_HEADER, main_rows(rows, args.reference_size)),
         "",
@@ -351,6 +351,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--reference-size", type=int, default=32,
                         help="W of the extra jobs that measure the W-independent part of a step's "
                              "memory (default 32, the smallest the model takes; 0 to skip)")
+    common.add_optimizer_argument(parser)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per job (default 3600)")
     parser.add_argument("--quick", action="store_true", help=f"smoke test at {QUICK_SIZES}")
     parser.add_argument("--out", default=None,
@@ -384,6 +385,7 @@ def plan_specs(args: argparse.Namespace) -> list[dict]:
             spatial_size = spatial[0] * spatial[1] * spatial[2]
             specs.append({"model": "cosmoflow", "size": size, "spatial": list(spatial),
                           "spatial_size": spatial_size, "ranks": spatial_size, "unet_filters": None,
+                          "optimizer": args.optimizer,
                           "reference": size == args.reference_size and size not in args.sizes})
     for spec, layout in zip(specs, common.check_layouts(specs)):
         if "error" in layout:

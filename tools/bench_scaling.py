@@ -404,7 +404,7 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         *common.run_header(command),
         "",
         f"One training step of ONE sample per data group: forward (training=True), MSE loss, "
-        f"backward, {args.optimizer.capitalize()} update after the fused world-average of the gradients "
+        f"backward, {common.OPTIMIZERS[args.optimizer]} update after the fused world-average of the gradients "
         f"(`strategy.distribute_optimizer`), in a `tf.function`. Step time = median over {args.steps} "
         f"timed steps of the slowest rank's step ({args.warmup} warm-up steps excluded). Each rank "
         "uses one TensorFlow intra-op thread and one inter-op thread (OMP_NUM_THREADS=1) except "
@@ -546,7 +546,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=common.positive_int, default=None, help="timed steps (default 10; 2 with --quick)")
     parser.add_argument("--component-repeats", type=common.positive_int, default=None,
                         help="timed calls of each isolated component (default 10; 3 with --quick)")
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="default adam (the paper's)")
+    common.add_optimizer_argument(parser)
     parser.add_argument("--unet-filters", type=common.positive_int, default=8,
                         help="U-Net base width (the paper's is 32; default 8)")
     parser.add_argument("--unet-builder", choices=("bench", "recipe"), default="bench",

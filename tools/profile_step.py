@@ -13,8 +13,8 @@ For each model and configuration (the keys and labels of tools/bench_scaling.py:
 x 1 thread, spatial 2x1x1, spatial 1x2x1 by default) it runs, in one job per
 configuration (a plain `python` process for one rank, horovodrun --gloo for several),
 the training step of bench_scaling.py (one sample per data group: forward with
-training=True, MSE, backward, Adam update after the fused world-average of the
-gradients). Every rank runs --warmup steps, then --steps timed steps (wall time of each),
+training=True, MSE, backward, the --optimizer's update after the fused world-average of
+the gradients). Every rank runs --warmup steps, then --steps timed steps (wall time of each),
 then --profiled-steps steps under `tf.profiler.experimental` and reads the trace
 (XSpace protobuf) it wrote. On the host plane's `tf_Compute` lines (the threads that run
 the graph's kernels) every kernel event -- metadata name `op_name:OpType`; executor
@@ -25,7 +25,8 @@ wrappers and markers such as `ExecutorState::Process`, `ThreadpoolListener::*`,
 * pooling, activation (LeakyRelu/Relu and their gradients, FusedBatchNorm*);
 * halo assembly copies (Slice, StridedSlice, Pad, PadV2, ConcatV2, AddN, Transpose,
   Split, SplitV outside the optimizer);
-* optimizer (ops under the `adam` name scope), dense (MatMul), other kernels.
+* optimizer (ops under the `adam` or `fused_adam` name scope, and XLA clusters: in these
+  steps only FusedAdam's updates are compiled), dense (MatMul), other kernels.
 
 Category times are kernel self times (nested kernel events subtracted) per step. The
 rank was busy during the union of all kernel intervals; idle = the profiled steps' wall
@@ -58,6 +59,7 @@ DEFAULT_CONFIGS = "serial,spatial2x1x1,spatial1x2x1"
 TOP_OPS = 15
 # Per-step categories in table order; the three convolution parts are summed into
 # "convolution" for the table and kept apart in the JSON.
+XLA_RUN_EVENT = "CpuExecutable::ExecuteAsyncOnStream"  # one XLA cluster's run on the CPU
 CATEGORIES = ("convolution", "pooling", "activation", "halo", "optimizer", "dense", "other")
 CONVOLUTION_PARTS = ("conv_forward", "conv_backprop_input", "conv_backprop_filter")
 COMPUTE = ("convolution", "pooling", "activation")
@@ -77,7 +79,8 @@ def base_type(op_type: str) -> str:
 def category(op_name: str, op_type: str) -> str:
     """The category of one kernel (a CONVOLUTION_PARTS entry for convolutions)."""
     kind = base_type(op_type)
-    if op_name.startswith("adam") or "/adam/" in op_name:
+    if kind == "XlaCluster" or any(op_name.startswith(scope) or f"/{scope}/" in op_name
+                                   for scope in ("adam", "fused_adam")):
         return "optimizer"
     if "Conv3D" in kind:
         if "BackpropInput" in kind:
@@ -98,6 +101,10 @@ def kernel_events(xspace) -> tuple[list[list[tuple[int, int, str]]], int]:
     """Per `tf_Compute` line of the '/host:CPU' plane, its kernel events as (start ps, end
     ps, 'op_name:OpType'), sorted by start; and the number of asynchronous (collective)
     kernels started, which the executor traces as `ExecutorState::ProcessAsync::Start`.
+    An XLA cluster (FusedAdam's update) is launched asynchronously too, but it runs
+    there and then, on the same line, as one `CpuExecutable::ExecuteAsyncOnStream` event:
+    that event is kept as a kernel named 'xla_cluster:XlaCluster', and its launch is
+    not counted as a collective.
 
     A kernel's metadata name is 'op_name:OpType'; the executor's wrappers and markers
     ('ExecutorState::Process', 'ThreadpoolListener::Record', 'MemoryAllocation',
@@ -115,6 +122,10 @@ def kernel_events(xspace) -> tuple[list[list[tuple[int, int, str]]], int]:
             name = plane.event_metadata[event.metadata_id].name
             if name == "ExecutorState::ProcessAsync::Start":
                 async_starts += 1
+            elif name == XLA_RUN_EVENT:
+                async_starts -= 1
+                start = base_ps + event.offset_ps
+                events.append((start, start + event.duration_ps, "xla_cluster:XlaCluster"))
             elif ":" in name and "::" not in name:
                 start = base_ps + event.offset_ps
                 events.append((start, start + event.duration_ps, name))
@@ -189,7 +200,7 @@ def worker(spec: dict) -> None:
             walls.append(time.perf_counter() - start)
         return walls, losses
 
-    training = common.make_training_step(strategy, spec, "adam", seed=strategy.rank)
+    training = common.make_training_step(strategy, spec, spec["optimizer"], seed=strategy.rank)
     say(f"{training.model.name}: {training.model.count_params():,} parameters, local input "
         f"{common.shape_text(training.x.shape[1:])}")
     warmup, _ = timed_steps(spec["warmup"])
@@ -305,7 +316,8 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         *common.run_header(command),
         "",
         "The training step of `tools/bench_scaling.py` (one sample per data group: forward with "
-        "training=True, MSE, backward, Adam update after the fused world-average of the gradients), "
+        f"training=True, MSE, backward, {common.OPTIMIZERS[args.optimizer]} update after the fused "
+        "world-average of the gradients), "
         "one TensorFlow intra-op thread and one inter-op thread per rank (OMP_NUM_THREADS=1; 2 "
         "intra-op threads in \"1 rank, 2 threads\"), one job per configuration (horovodrun --gloo for several ranks). Each rank runs "
         f"{args.warmup} warm-up steps, {args.steps} timed steps (*step*: their median on that rank), "
@@ -322,7 +334,7 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         "copies* Slice, StridedSlice, Pad, PadV2, ConcatV2, AddN, Transpose, Split, SplitV outside "
         "the optimizer (the shard and halo slicing, padding and concatenation around each "
         "exchange, and their gradients; the same ops elsewhere in the model land here too); "
-        "*optimizer* the ops of the Adam update; *dense* MatMul; *other kernels* the rest. "
+        "*optimizer* the ops of the optimizer's update (FusedAdam's compiled XLA clusters included); *dense* MatMul; *other kernels* the rest. "
         "*idle* = the profiled step's wall time minus the union of all kernel intervals: "
         "waiting for collectives (Horovod runs them asynchronously, outside the kernels) and "
         "for the other rank, Python and executor overhead, and time the OS gave the core to "
@@ -363,6 +375,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cosmoflow-layout", choices=common.COSMOFLOW_LAYOUTS, default="recipe",
                         help="recipe: gather before block 5 as recipes.cosmoflow.train does (default); "
                              "split-all: split up to the flatten where possible")
+    common.add_optimizer_argument(parser)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration (default 1800)")
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke test: {QUICK_MODELS}, 1 warm-up, 3 timed steps, 1 profiled step")
@@ -395,7 +408,7 @@ def main(argv=None) -> int:
     command = common.command_line("tools/profile_step.py", sys.argv[1:] if argv is None else argv)
     if any(CONFIGS[key][1] > 1 for key in args.configs):
         common.horovodrun_path()  # fail now, not after the one-rank runs
-    specs = plan_specs(args, profiled_steps=args.profiled_steps)
+    specs = plan_specs(args, profiled_steps=args.profiled_steps, optimizer=args.optimizer)
     rows, failures = [], 0
     for index, spec in enumerate(specs, start=1):
         print(f"[{index}/{len(specs)}] {spec['model']} {spec['size']}^3, {spec['label']} "
