@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from keras_spatial.halo import Window
+from keras_spatial.ops.halo_convolution import convolve_halo_parts
 from keras_spatial.layers.spatial_window import (
     SpatialWindowMixin,
     active_spatial_strategy,
@@ -25,6 +26,12 @@ class SpatialConv3D(SpatialWindowMixin, keras.layers.Conv3D):
     Supported: any kernel size (even ones too), strides, dilation (Keras forbids
     strides > 1 together with dilation > 1), 'same' and 'valid', groups, bias and
     activation; channels_last only.
+
+    Memory: without dilation and groups, the extended shard (the shard with its halo
+    planes and zero padding) is not kept for the backward pass; the gradient assembles
+    it again from the shard and the received planes (`keras_spatial.ops.halo_convolution`).
+    That saves a copy of the shard wherever the shard is kept anyway (the model's input,
+    the input of a ReLU or max pool, a skip connection), for one extra copy per step.
 
     Input shape:
         LOCAL shard `(batch, d, h, w, channels)`, where (d, h, w) is the global extent
@@ -61,9 +68,13 @@ class SpatialConv3D(SpatialWindowMixin, keras.layers.Conv3D):
         if strategy is None:
             return super().convolution_op(inputs, kernel)
         plans = self._axis_plans(strategy, inputs.shape)
-        extended = self._extend(inputs, strategy, plans, fill_value=0.0)
+        halo = self._exchange(inputs, strategy, plans, fill_value=0.0)
+        if self.groups == 1 and all(rate == 1 for rate in self.dilation_rate):
+            return convolve_halo_parts(halo, kernel, self.strides)
+        # Dilated and grouped convolutions: TensorFlow runs them as other ops
+        # (space-to-batch, XLA), whose gradients convolve_halo_parts does not reproduce.
         return ops.conv(
-            extended,
+            halo.extended(),
             kernel,
             strides=list(self.strides),
             padding="valid",

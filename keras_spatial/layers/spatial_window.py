@@ -5,7 +5,7 @@ from __future__ import annotations
 from keras_spatial.errors import SpatialNotSupportedError
 from keras_spatial.halo import AxisPlan, ShardAlignmentError, Window, plan_axis
 from keras_spatial.mesh import SPATIAL_AXES
-from keras_spatial.ops.halo_exchange import extend_to_halo
+from keras_spatial.ops.halo_exchange import HaloParts, exchange_halos
 from keras_spatial.strategy import get_strategy
 
 
@@ -76,8 +76,9 @@ class SpatialWindowMixin:
         plans = self._axis_plans(strategy, input_shape)
         return (input_shape[0],) + tuple(p.local_output_extent for p in plans) + (channels,)
 
-    def _extend(self, inputs, strategy, plans, fill_value):
-        return extend_to_halo(
+    def _exchange(self, inputs, strategy, plans, fill_value) -> HaloParts:
+        """Exchange the halos of `inputs`; the extended shard is left to assemble."""
+        return exchange_halos(
             inputs,
             plans,
             strategy.mesh,
@@ -86,3 +87,7 @@ class SpatialWindowMixin:
             fill_value=fill_value,
             name="ks_halo",
         )
+
+    def _extend(self, inputs, strategy, plans, fill_value):
+        """The shard extended by its halos (`keras_spatial.ops.extend_to_halo`)."""
+        return self._exchange(inputs, strategy, plans, fill_value).extended()

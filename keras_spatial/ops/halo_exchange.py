@@ -129,12 +129,17 @@ def extend_axis(
     name: str,
 ) -> tf.Tensor:
     """Extend `x` (batch, D, H, W, C) along one spatial axis to its needed interval."""
-    axis = spatial_axis + 1
-    me = coords[spatial_axis]
-    own_start = plan.owned[me][0]
-    parts_before, parts_after = [], []
+    before, after = [], []
     if plan.exchanges:
-        parts_before, parts_after = exchange_axis(x, spatial_axis, plan, mesh, coords, process_set, name)
+        before, after = exchange_axis(x, spatial_axis, plan, mesh, coords, process_set, name)
+    return _assemble_axis(x, before, after, spatial_axis, plan, coords[spatial_axis], fill_value)
+
+
+def _assemble_axis(x, before, after, spatial_axis, plan, me, fill_value) -> tf.Tensor:
+    """The local part of `extend_axis`: crop `x` to the kept planes and concatenate the
+    received planes and the padding around them."""
+    axis = spatial_axis + 1
+    own_start = plan.owned[me][0]
     kept = plan.kept(me)
     if kept == plan.owned[me]:
         middle = [x]
@@ -145,12 +150,84 @@ def extend_axis(
     pad_before, pad_after = plan.padding_before(me), plan.padding_after(me)
     parts = (
         ([_fill_like(x, axis, pad_before, fill_value)] if pad_before else [])
-        + parts_before
+        + list(before)
         + middle
-        + parts_after
+        + list(after)
         + ([_fill_like(x, axis, pad_after, fill_value)] if pad_after else [])
     )
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=axis)
+
+
+class HaloParts:
+    """A shard's halo exchange, done, with its local assembly still to do.
+
+    `tensors` are what the assembly reads: the shard (or, when several axes exchange,
+    the shard already extended along the earlier ones), then the planes received along
+    the last exchanging axis. `assemble(*tensors)` builds the extended shard from them
+    with slices, concatenations and one padding, and no communication, so it can be
+    recomputed (see `keras_spatial.layers.SpatialConv3D`). Made by `exchange_halos`.
+    """
+
+    def __init__(self, tensors, assemble):
+        self.tensors = list(tensors)
+        self.assemble = assemble
+
+    def extended(self) -> tf.Tensor:
+        """The extended shard (what `extend_to_halo` returns)."""
+        return self.assemble(*self.tensors)
+
+
+def exchange_halos(
+    x: tf.Tensor,
+    plans: Sequence[AxisPlan],
+    mesh: Mesh,
+    coords: Sequence[int],
+    process_set,
+    fill_value: float = 0.0,
+    name: str = "ks_halo",
+) -> HaloParts:
+    """`extend_to_halo` up to its last concatenation: every exchange done, the local
+    assembly of the last exchanging axis and the cropping and padding of the axes that
+    exchange nothing left to `HaloParts.assemble`. Arguments as for `extend_to_halo`."""
+    exchanging = [axis for axis, plan in enumerate(plans) if plan.exchanges]
+    last = exchanging[-1] if exchanging else -1
+    # Axes that exchange nothing (unsplit ones, and split ones whose window stays inside
+    # each shard) only crop and pad: one slice each and ONE tf.pad for all of them,
+    # instead of a concatenation (a full copy of the shard) per axis.
+    paddings = [[0, 0] for _ in range(5)]
+    crops = []  # (axis, start, stop) of the axes after the last exchanging one
+    before, after = [], []
+    for spatial_axis, plan in enumerate(plans):
+        me = coords[spatial_axis]
+        if plan.exchanges:
+            if spatial_axis < last:
+                x = extend_axis(x, spatial_axis, plan, mesh, coords, process_set, fill_value, name)
+            else:
+                before, after = exchange_axis(x, spatial_axis, plan, mesh, coords, process_set, name)
+            continue
+        kept, owned = plan.kept(me), plan.owned[me]
+        if kept != owned:
+            crop = (spatial_axis + 1, kept[0] - owned[0], kept[1] - owned[0])
+            if spatial_axis < last:
+                x = _slice_axis(x, *crop)
+            else:
+                crops.append(crop)
+        paddings[spatial_axis + 1] = [plan.padding_before(me), plan.padding_after(me)]
+    received = len(before)
+
+    def assemble(shard, *planes):
+        extended = shard
+        if last >= 0:
+            extended = _assemble_axis(
+                shard, planes[:received], planes[received:], last, plans[last], coords[last], fill_value
+            )
+        for crop in crops:
+            extended = _slice_axis(extended, *crop)
+        if any(pad_before or pad_after for pad_before, pad_after in paddings):
+            extended = tf.pad(extended, paddings, constant_values=tf.constant(fill_value, extended.dtype))
+        return extended
+
+    return HaloParts([x, *before, *after], assemble)
 
 
 def extend_to_halo(
@@ -177,19 +254,4 @@ def extend_to_halo(
         The shard extended (or cropped) to every axis's needed interval, on which a
         'valid' window op gives exactly this shard's outputs.
     """
-    # Axes that exchange nothing (unsplit ones, and split ones whose window stays inside
-    # each shard) only crop and pad: one slice and ONE tf.pad for all of them, instead of
-    # a concatenation (a full copy of the shard) per axis.
-    paddings = [[0, 0] for _ in range(5)]
-    for spatial_axis, plan in enumerate(plans):
-        me = coords[spatial_axis]
-        if plan.exchanges:
-            x = extend_axis(x, spatial_axis, plan, mesh, coords, process_set, fill_value, name)
-            continue
-        kept, owned = plan.kept(me), plan.owned[me]
-        if kept != owned:
-            x = _slice_axis(x, spatial_axis + 1, kept[0] - owned[0], kept[1] - owned[0])
-        paddings[spatial_axis + 1] = [plan.padding_before(me), plan.padding_after(me)]
-    if any(before or after for before, after in paddings):
-        x = tf.pad(x, paddings, constant_values=tf.constant(fill_value, x.dtype))
-    return x
+    return exchange_halos(x, plans, mesh, coords, process_set, fill_value, name).extended()
