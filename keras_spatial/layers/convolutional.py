@@ -31,7 +31,7 @@ class SpatialConv3D(SpatialWindowMixin, keras.layers.Conv3D):
     planes and zero padding) is not kept for the backward pass; the gradient assembles
     it again from the shard and the received planes (`keras_spatial.ops.halo_convolution`).
     That saves a copy of the shard wherever the shard is kept anyway (the model's input,
-    the input of a ReLU or max pool, a skip connection), for one extra copy per step.
+    a ReLU's output, a max pool's input or output), for one extra copy per step.
 
     Input shape:
         LOCAL shard `(batch, d, h, w, channels)`, where (d, h, w) is the global extent
