@@ -71,6 +71,17 @@ def test_dense_updates_are_xla_clusters():
     assert len(compiled) == 2
 
 
+def test_eager_training_compiles_each_update_once():
+    keras.utils.set_random_seed(0)
+    model = voxel_regression_model((8, 8, 8, 2))
+    optimizer = ks.FusedAdam(1e-2)
+    model.compile(optimizer=optimizer, loss="mse", run_eagerly=True)
+    x = np.random.default_rng(1).standard_normal((6, 8, 8, 8, 2)).astype("float32")
+    model.fit(x, np.tanh(x[..., :1]), batch_size=2, epochs=1, verbose=0)
+    assert len(optimizer._compiled_updates) == len(model.trainable_variables)
+    assert all(f.experimental_get_tracing_count() == 1 for f in optimizer._compiled_updates.values())
+
+
 def test_two_optimizers_never_share_a_compiled_update():
     """Variables of the same shape, made and dropped one after another (Python may reuse
     the ids): each update reaches its own variables."""
