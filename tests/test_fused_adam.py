@@ -1,16 +1,12 @@
 """FusedAdam: Keras's Adam to float32 rounding, with its options, state layout and saving."""
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 
 keras = pytest.importorskip("keras")
 
 import keras_spatial as ks  # noqa: E402
+from tests.allocator_peaks import allocator_peaks  # noqa: E402
 from tests.distributed.training_workers import voxel_regression_model  # noqa: E402
 
 ADAM_OPTIONS = {
@@ -142,9 +138,8 @@ def test_fused_adam_updates_in_place():
     """Adam's update of a 32 MiB variable allocates two temporaries of its size; the fused
     one none (XLA writes the variable and both moments in place). TensorFlow's BFC
     allocator reports the peak, so this runs in its own process."""
-    script = textwrap.dedent(
+    adam_peak, fused_peak = allocator_peaks(
         """
-        import os, sys
         import numpy as np, tensorflow as tf, keras
         import keras_spatial as ks
         peaks = []
@@ -153,17 +148,9 @@ def test_fused_adam_updates_in_place():
             optimizer.build(variables)
             gradients = [tf.ones((8192, 1024))]
             step = tf.function(lambda g: optimizer.apply(g, variables))
-            step(gradients)
-            base = tf.config.experimental.get_memory_info("CPU:0")["current"]
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            step(gradients)
-            peaks.append((tf.config.experimental.get_memory_info("CPU:0")["peak"] - base) / 2**20)
+            peaks.append(peak_rise_mib(lambda: step(gradients)))
         print("PEAKS", *peaks)
         """
     )
-    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    adam_peak, fused_peak = map(float, result.stdout.split("PEAKS")[1].split())
     assert adam_peak >= 32, f"the measurement does not see Adam's temporaries ({adam_peak} MiB)"
     assert fused_peak < 1, f"FusedAdam allocated {fused_peak} MiB during its update"

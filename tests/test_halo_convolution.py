@@ -1,11 +1,6 @@
 """convolve_halo_parts: TensorFlow's convolution and gradients, bit for bit, without
 keeping the extended shard (one process; the halo planes are made locally)."""
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 
@@ -13,6 +8,7 @@ tf = pytest.importorskip("tensorflow")
 
 from keras_spatial.ops.halo_convolution import convolve_halo_parts  # noqa: E402
 from keras_spatial.ops.halo_exchange import HaloParts  # noqa: E402
+from tests.allocator_peaks import allocator_peaks  # noqa: E402
 
 
 def _assemble(x, before, after):
@@ -53,7 +49,7 @@ def test_the_extended_shard_is_not_kept_for_the_backward_pass():
     the peak (the pool's and LeakyReLU's backward, with the 16 MiB convolution output
     kept for LeakyReLU's gradient); recomputing it lowers the peak by about that copy.
     Own process: TensorFlow's BFC allocator reports peaks."""
-    script = textwrap.dedent(
+    plain, recomputed = allocator_peaks(
         """
         import numpy as np, tensorflow as tf
         from keras_spatial.ops.halo_convolution import convolve_halo_parts
@@ -77,17 +73,9 @@ def test_the_extended_shard_is_not_kept_for_the_backward_pass():
                     pooled = tf.nn.avg_pool3d(tf.nn.leaky_relu(y, 0.01), 2, 2, "VALID")
                     loss = tf.reduce_sum(pooled * pooled)
                 return tape.gradient(loss, [kernel])
-            [g.numpy() for g in step(x)]
-            base = tf.config.experimental.get_memory_info("CPU:0")["current"]
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            [g.numpy() for g in step(x)]
-            peaks.append((tf.config.experimental.get_memory_info("CPU:0")["peak"] - base) / 2**20)
+            peaks.append(peak_rise_mib(lambda: [g.numpy() for g in step(x)]))
         print("PEAKS", *peaks)
         """
     )
-    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    plain, recomputed = map(float, result.stdout.split("PEAKS")[1].split())
     padded_mib = 34 * 66 * 66 * 16 * 4 / 2**20
     assert plain - recomputed >= 0.9 * padded_mib, (plain, recomputed)
