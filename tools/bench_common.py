@@ -23,6 +23,8 @@ import argparse
 import dataclasses
 import datetime
 import fcntl
+import functools
+import importlib
 import json
 import math
 import os
@@ -344,9 +346,18 @@ class TrainingStep:
         return float(self.step(self.x, self.y).numpy())
 
 
-# --optimizer of the step tools: name -> how the tables name it.
-OPTIMIZERS = {"fused_adam": "Adam (keras_spatial.FusedAdam)", "adam": "Adam (keras.optimizers.Adam)",
-              "sgd": "SGD (keras.optimizers.SGD)"}
+# --optimizer of the step tools: name -> (how the tables name it, module, attribute path of
+# the optimizer class).
+OPTIMIZERS = {
+    "fused_adam": ("Adam (keras_spatial.FusedAdam)", "keras_spatial", "FusedAdam"),
+    "adam": ("Adam (keras.optimizers.Adam)", "keras", "optimizers.Adam"),
+    "sgd": ("SGD (keras.optimizers.SGD)", "keras", "optimizers.SGD"),
+}
+
+
+def optimizer_label(name: str) -> str:
+    """How the tables name the --optimizer `name`."""
+    return OPTIMIZERS[name][0]
 
 
 def add_optimizer_argument(parser) -> None:
@@ -354,7 +365,7 @@ def add_optimizer_argument(parser) -> None:
     parser.add_argument(
         "--optimizer", choices=tuple(OPTIMIZERS), default="fused_adam",
         help="the update after the gradient average, in every configuration of the run: "
-             "fused_adam (default: Keras's Adam in one compiled loop per variable), adam "
+             "fused_adam (default: Keras's Adam with each variable's update compiled by XLA), adam "
              "(keras.optimizers.Adam, as before the eighth session) or sgd",
     )
 
@@ -369,17 +380,15 @@ def make_training_step(strategy, spec: dict, optimizer_name: str, seed: int) -> 
     trainable variables, `optimizer.apply` (one fused world allreduce of the gradients
     when the world has several ranks, then the update).
     """
-    import keras
     import tensorflow as tf
 
     with strategy.scope():
         model = build_benchmark_model(spec)
     if optimizer_name not in OPTIMIZERS:
         raise ValueError(f"`optimizer` must be one of {sorted(OPTIMIZERS)}. Received: {optimizer_name!r}")
-    import keras_spatial as ks
-
-    inner = {"adam": keras.optimizers.Adam, "fused_adam": ks.FusedAdam, "sgd": keras.optimizers.SGD}
-    optimizer = strategy.distribute_optimizer(inner[optimizer_name](1e-3))
+    _, module, path = OPTIMIZERS[optimizer_name]
+    optimizer_class = functools.reduce(getattr, path.split("."), importlib.import_module(module))
+    optimizer = strategy.distribute_optimizer(optimizer_class(1e-3))
     optimizer.build(model.trainable_variables)
     if spec.get("replicated_skip", True) and strategy.spatial_size > 1:
         # What ReplicatedLayerSync does in model.fit: gradients of layers that run on

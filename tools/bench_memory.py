@@ -254,7 +254,7 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         *common.run_header(command),
         "",
         "Model: the paper's CosmoFlow (`recipes.cosmoflow.model.build_model(W, 'paper')`, 9.4 M "
-        f"parameters, no batch norm), one sample of W^3 x 4 float32, {common.OPTIMIZERS[args.optimizer]}, "
+        f"parameters, no batch norm), one sample of W^3 x 4 float32, {common.optimizer_label(args.optimizer)}, "
         "MSE, one TensorFlow thread per rank. MiB = 2^20 bytes. Per-rank values are the WORST rank's.",
         "",
         *common.markdown_table(MAIN_HEADER, main_rows(rows, args.reference_size)),

@@ -404,7 +404,7 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         *common.run_header(command),
         "",
         f"One training step of ONE sample per data group: forward (training=True), MSE loss, "
-        f"backward, {common.OPTIMIZERS[args.optimizer]} update after the fused world-average of the gradients "
+        f"backward, {common.optimizer_label(args.optimizer)} update after the fused world-average of the gradients "
         f"(`strategy.distribute_optimizer`), in a `tf.function`. Step time = median over {args.steps} "
         f"timed steps of the slowest rank's step ({args.warmup} warm-up steps excluded). Each rank "
         "uses one TensorFlow intra-op thread and one inter-op thread (OMP_NUM_THREADS=1) except "

@@ -316,7 +316,7 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         *common.run_header(command),
         "",
         "The training step of `tools/bench_scaling.py` (one sample per data group: forward with "
-        f"training=True, MSE, backward, {common.OPTIMIZERS[args.optimizer]} update after the fused "
+        f"training=True, MSE, backward, {common.optimizer_label(args.optimizer)} update after the fused "
         "world-average of the gradients), "
         "one TensorFlow intra-op thread and one inter-op thread per rank (OMP_NUM_THREADS=1; 2 "
         "intra-op threads in \"1 rank, 2 threads\"), one job per configuration (horovodrun --gloo for several ranks). Each rank runs "
