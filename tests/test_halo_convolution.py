@@ -79,3 +79,129 @@ def test_the_extended_shard_is_not_kept_for_the_backward_pass():
     )
     padded_mib = 34 * 66 * 66 * 16 * 4 / 2**20
     assert plain - recomputed >= 0.9 * padded_mib, (plain, recomputed)
+
+
+# convolve_with_boundary_planes --------------------------------------------------------------
+
+def _same_padding(size):
+    return (size - 1) // 2, size - 1 - (size - 1) // 2
+
+
+def _boundary_case(spatial_axis, kernel_size, sides, seed):
+    rng = np.random.default_rng(seed)
+    shape = [2, 6, 7, 5, 3]
+    before_planes, after_planes = _same_padding(kernel_size[spatial_axis])
+
+    def planes(count):
+        planes_shape = list(shape)
+        planes_shape[spatial_axis + 1] = count
+        return rng.standard_normal(planes_shape)
+
+    return dict(
+        x=rng.standard_normal(shape),
+        kernel=rng.standard_normal((*kernel_size, 3, 4)),
+        before=planes(before_planes) if sides[0] and before_planes else None,
+        after=planes(after_planes) if sides[1] and after_planes else None,
+        zeros=(np.zeros_like(planes(before_planes)), np.zeros_like(planes(after_planes))),
+    )
+
+
+def _conv_and_gradients(case, spatial_axis, kernel_size, dtype, graph, boundary):
+    """The convolution and the gradients of a nonlinear loss with respect to every input,
+    either by convolve_with_boundary_planes or by a 'valid' Conv3D of the extended shard."""
+    from keras_spatial.ops.halo_convolution import convolve_with_boundary_planes
+
+    tensors = {k: None if v is None else tf.constant(v, dtype) for k, v in case.items() if k != "zeros"}
+    inputs = [v for v in tensors.values() if v is not None]
+
+    def extended():
+        before = tensors["before"] if tensors["before"] is not None else tf.constant(case["zeros"][0], dtype)
+        after = tensors["after"] if tensors["after"] is not None else tf.constant(case["zeros"][1], dtype)
+        padding = [[0, 0]] + [
+            [0, 0] if axis == spatial_axis else list(_same_padding(k)) for axis, k in enumerate(kernel_size)
+        ] + [[0, 0]]
+        return tf.pad(tf.concat([before, tensors["x"], after], spatial_axis + 1), padding)
+
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(inputs)
+            if boundary:
+                y = convolve_with_boundary_planes(
+                    tensors["x"], tensors["before"], tensors["after"], tensors["kernel"], spatial_axis
+                )
+            else:
+                y = tf.nn.conv3d(extended(), tensors["kernel"], [1] * 5, "VALID")
+            loss = tf.reduce_sum(y * tf.sin(y))
+        return [y] + tape.gradient(loss, inputs)
+
+    return [t.numpy().astype("float64") for t in (tf.function(run) if graph else run)()]
+
+
+@pytest.mark.parametrize("spatial_axis", [0, 1, 2], ids=["depth", "height", "width"])
+@pytest.mark.parametrize("kernel_size", [(3, 3, 3), (5, 3, 1), (4, 2, 3), (3, 4, 5)], ids=str)
+@pytest.mark.parametrize("sides", [(1, 1), (1, 0), (0, 1)], ids=["both", "before", "after"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_boundary_planes_give_the_convolution_of_the_extended_shard(spatial_axis, kernel_size, sides, graph):
+    """Outputs and gradients (shard, received planes, kernel) against float64: within the
+    float32 rounding of TensorFlow's own convolution of the extended shard."""
+    case = _boundary_case(spatial_axis, kernel_size, sides, seed=spatial_axis + 10 * sides[0])
+    reference = _conv_and_gradients(case, spatial_axis, kernel_size, tf.float64, graph, boundary=False)
+    plain = _conv_and_gradients(case, spatial_axis, kernel_size, tf.float32, graph, boundary=False)
+    actual = _conv_and_gradients(case, spatial_axis, kernel_size, tf.float32, graph, boundary=True)
+    assert len(actual) == len(reference)
+    for got, tensorflow, exact in zip(actual, plain, reference):
+        assert got.shape == exact.shape
+        rounding = np.abs(tensorflow - exact).max()
+        assert np.abs(got - exact).max() <= 4 * rounding + 1e-6 * np.abs(exact).max(), (
+            np.abs(got - exact).max(), rounding)
+
+
+def test_boundary_planes_of_two_calls_on_the_same_shard_and_kernel_stay_apart():
+    """The output is updated in place: two calls with the same shard and kernel tensors,
+    whose 'same' convolutions TensorFlow merges into one, must not add both corrections
+    to one buffer (they did, before the Snapshot got its control dependency)."""
+    from keras_spatial.ops.halo_convolution import convolve_with_boundary_planes
+
+    rng = np.random.default_rng(3)
+    x, first, second = (tf.constant(rng.standard_normal(s).astype("float32"))
+                        for s in [(1, 6, 5, 5, 2), (1, 1, 5, 5, 2), (1, 1, 5, 5, 2)])
+    kernel = tf.constant(rng.standard_normal((3, 3, 3, 2, 3)).astype("float32"))
+
+    @tf.function
+    def both(x, kernel, first, second):
+        return (convolve_with_boundary_planes(x, first, None, kernel, 0),
+                convolve_with_boundary_planes(x, second, None, kernel, 0))
+
+    for got, planes in zip(both(x, kernel, first, second), (first, second)):
+        # The received planes before the shard, zeros after it (the volume's face).
+        extended = tf.pad(tf.concat([planes, x], 1), [[0, 0], [0, 1], [1, 1], [1, 1], [0, 0]])
+        expected = tf.nn.conv3d(extended, kernel, [1] * 5, "VALID")
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_boundary_planes_copy_nothing_of_the_shard_size():
+    """No concatenation, padding, slice or scatter of the shard's size, forward or
+    backward, in the traced step (the received planes and the kernel are small)."""
+    from keras_spatial.ops.halo_convolution import convolve_with_boundary_planes
+
+    rng = np.random.default_rng(4)
+    x = tf.constant(rng.standard_normal((1, 16, 12, 12, 4)).astype("float32"))
+    planes = tf.constant(rng.standard_normal((1, 1, 12, 12, 4)).astype("float32"))
+    kernel = tf.Variable(rng.standard_normal((3, 3, 3, 4, 4)).astype("float32"))
+
+    @tf.function
+    def step(x, before, after, d_y):
+        with tf.GradientTape() as tape:
+            tape.watch([x, before, after])
+            y = convolve_with_boundary_planes(x, before, after, kernel, 0)
+        return y, tape.gradient(y, [x, before, after, kernel], output_gradients=d_y)
+
+    graph = step.get_concrete_function(x, planes, planes, x).graph
+    copies = {"ConcatV2", "Pad", "PadV2", "Slice", "StridedSlice", "TensorScatterAdd",
+              "TensorScatterUpdate", "AddN", "Tile", "Transpose", "AddV2", "Add"}
+    large = [
+        (op.type, op.name) for op in graph.get_operations() if op.type in copies
+        for out in op.outputs if out.shape.is_fully_defined() and out.shape.num_elements() >= x.shape.num_elements() // 4
+    ]
+    assert not large, large
+    assert {"InplaceAdd", "Conv3DBackpropInputV2"} <= {op.type for op in graph.get_operations()}

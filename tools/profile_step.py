@@ -56,7 +56,7 @@ SECTION = "profile_step"
 DEFAULT_MODELS = "cosmoflow:128"
 QUICK_MODELS = "cosmoflow:32,unet:32"
 DEFAULT_CONFIGS = "serial,spatial2x1x1,spatial1x2x1"
-TOP_OPS = 15
+TOP_OPS = 60
 # Per-step categories in table order; the three convolution parts are summed into
 # "convolution" for the table and kept apart in the JSON.
 XLA_RUN_EVENT = "CpuExecutable::ExecuteAsyncOnStream"  # one XLA cluster's run on the CPU

@@ -14,6 +14,7 @@ Conv3D runs, with the same attributes, so results are bit for bit the same.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import tensorflow as tf
@@ -65,3 +66,157 @@ def convolve_halo_parts(halo: HaloParts, kernel, strides: Sequence[int]) -> tf.T
         return outputs, gradient
 
     return convolve(*halo.tensors, kernel)
+
+
+def _rows(x: tf.Tensor, axis: int) -> tf.Tensor:
+    """`x` as a matrix whose rows are indexed by (batch, ..., axis): a free reshape."""
+    return tf.reshape(x, [-1, math.prod(x.shape[axis + 1:])])
+
+
+def _row_ids(x: tf.Tensor, axis: int, start: int, count: int) -> tf.Tensor:
+    """The rows of `_rows(x, axis)` that hold planes [start, start + count) along `axis`."""
+    leading = tf.shape(x)[0] * math.prod(x.shape[1:axis])
+    planes = tf.range(start, start + count)
+    return tf.reshape(tf.range(leading)[:, None] * x.shape[axis] + planes[None, :], [-1])
+
+
+def _kernel_taps(kernel: tf.Tensor, spatial_axis: int, start: int, stop: int) -> tf.Tensor:
+    index = [slice(None)] * 5
+    index[spatial_axis] = slice(start, stop)
+    return kernel[tuple(index)]
+
+
+def same_padding(kernel_size: int) -> tuple[int, int]:
+    """(before, after) zero planes of TensorFlow's 'same' padding for stride 1."""
+    return (kernel_size - 1) // 2, kernel_size - 1 - (kernel_size - 1) // 2
+
+
+def convolve_with_boundary_planes(x, before, after, kernel, spatial_axis: int) -> tf.Tensor:
+    """Stride-1 'same' Conv3D of a shard whose neighbours' planes along one axis are
+    given, without building the extended shard.
+
+    The result is the 'valid' convolution of `concat([before, x, after])` along
+    `spatial_axis`, zero padded as 'same' along the two other axes: the shard's part of
+    a 'same' convolution of the whole volume split along that axis. It is computed as:
+
+    1. the 'same' convolution of `x` alone, with nothing copied: only the outputs
+       within reach of the shard's two faces are missing the taps that read the
+       neighbours' planes (read as zeros there);
+    2. those taps, a convolution of the few received planes with the matching slice
+       of the kernel, added in place to the boundary output planes (`InplaceAdd` on
+       the freshly computed output).
+
+    Step 1 needs no received plane, so it can run while the exchange is in flight.
+    The gradient is the same decomposition transposed: TensorFlow's own gradient
+    kernels on `x` and on the received planes, nothing copied at the size of the
+    shard. A boundary output is one sum split into two partial sums, so it may differ
+    from the whole-volume convolution by float32 rounding; every other output is
+    computed exactly as TensorFlow computes it on the shard.
+
+    Args:
+        x: the shard, channels last (batch, d, h, w, in_channels), static d, h, w.
+        before, after: the planes of the neighbours before / after the shard along
+            `spatial_axis` (`same_padding` of the kernel's size along that axis:
+            that many planes), or None where the shard touches the volume's face
+            (zeros there: nothing to add) or where that padding is 0.
+        kernel: (kd, kh, kw, in_channels, out_channels).
+        spatial_axis: 0, 1 or 2 (depth, height, width).
+
+    Returns:
+        (batch, d, h, w, out_channels), like `tf.nn.conv3d(x, kernel, 1, 'SAME')` with
+        the neighbours' planes taken into account.
+    """
+    axis = spatial_axis + 1
+    size = kernel.shape[spatial_axis]
+    p_before, p_after = same_padding(size)
+    extent = x.shape[axis]
+    if max(p_before, p_after) > extent:
+        raise ValueError(
+            f"convolve_with_boundary_planes needs halos no wider than the shard. "
+            f"Received: kernel size {size}, shard extent {extent} along spatial axis "
+            f"{spatial_axis}"
+        )
+    for name, planes, expected in (("before", before, p_before), ("after", after, p_after)):
+        if planes is not None and (expected == 0 or planes.shape[axis] != expected):
+            raise ValueError(
+                f"`{name}` must hold {expected} planes along spatial axis {spatial_axis} "
+                f"for a kernel of size {size}. Received: shape {tuple(planes.shape)}"
+            )
+    # The other axes are zero padded as 'same' would; along `spatial_axis` the received
+    # planes are followed (before) or preceded (after) by the zeros that stand for the
+    # shard's own planes, so that a 'valid' convolution with the taps that reach outside
+    # gives one correction per boundary output plane.
+    paddings = [[0, 0]] + [list(same_padding(k)) for k in kernel.shape[:3]] + [[0, 0]]
+    sides = []
+    if before is not None:
+        pads = [list(p) for p in paddings]
+        pads[axis] = [0, p_before - 1]
+        sides.append((before, pads, (0, p_before), 0))
+    if after is not None:
+        pads = [list(p) for p in paddings]
+        pads[axis] = [p_after - 1, 0]
+        sides.append((after, pads, (size - p_after, size), extent - p_after))
+    strides = [1] * 5
+
+    @tf.custom_gradient
+    def convolve(x, weights, *planes):
+        outputs = tf.nn.conv3d(x, weights, strides, "SAME")
+        shape = tf.shape(outputs)
+        rows = _rows(outputs, axis)
+        slabs, corrections = [], []
+        for received, (_, pads, taps, first) in zip(planes, sides):
+            slab = tf.pad(received, pads)
+            taps_kernel = _kernel_taps(weights, spatial_axis, *taps)
+            correction = tf.nn.conv3d(slab, taps_kernel, strides, "VALID")
+            if not corrections:
+                # InplaceAdd writes into its input's buffer. Snapshot hands that buffer
+                # on when it is the only reader, and copies it otherwise: TensorFlow
+                # merges identical ops, so two calls with the same shard and kernel
+                # tensors share one 'same' convolution. The dependency on this call's
+                # own correction keeps the Snapshots of such calls apart.
+                with tf.control_dependencies([correction]):
+                    rows = tf.raw_ops.Snapshot(input=rows)
+            rows = tf.raw_ops.InplaceAdd(
+                x=rows, i=_row_ids(outputs, axis, first, correction.shape[axis]),
+                v=tf.reshape(correction, [-1, rows.shape[1]]),
+            )
+            slabs.append(slab)
+            corrections.append(correction)
+        outputs = tf.reshape(rows, shape)
+
+        def gradient(d_outputs):
+            d_x = tf.raw_ops.Conv3DBackpropInputV2(
+                input_sizes=tf.shape(x), filter=weights, out_backprop=d_outputs,
+                strides=strides, padding="SAME",
+            )
+            d_weights = tf.raw_ops.Conv3DBackpropFilterV2(
+                input=x, filter_sizes=tf.shape(weights), out_backprop=d_outputs,
+                strides=strides, padding="SAME",
+            )
+            d_rows = _rows(d_outputs, axis)
+            d_planes = []
+            for slab, correction, (received, pads, taps, first) in zip(slabs, corrections, sides):
+                d_correction = tf.reshape(
+                    tf.gather(d_rows, _row_ids(d_outputs, axis, first, correction.shape[axis])),
+                    tf.shape(correction),
+                )
+                taps_kernel = _kernel_taps(weights, spatial_axis, *taps)
+                d_slab = tf.raw_ops.Conv3DBackpropInputV2(
+                    input_sizes=tf.shape(slab), filter=taps_kernel, out_backprop=d_correction,
+                    strides=strides, padding="VALID",
+                )
+                d_taps = tf.raw_ops.Conv3DBackpropFilterV2(
+                    input=slab, filter_sizes=tf.shape(taps_kernel), out_backprop=d_correction,
+                    strides=strides, padding="VALID",
+                )
+                taps_padding = [[0, 0]] * 5
+                taps_padding[spatial_axis] = [taps[0], size - taps[1]]
+                d_weights += tf.pad(d_taps, taps_padding)
+                d_planes.append(tf.slice(
+                    d_slab, [p[0] for p in pads], tf.shape(received)
+                ))
+            return (d_x, d_weights, *d_planes)
+
+        return outputs, gradient
+
+    return convolve(x, tf.convert_to_tensor(kernel), *[side[0] for side in sides])
