@@ -156,25 +156,31 @@ def test_boundary_planes_give_the_convolution_of_the_extended_shard(spatial_axis
             np.abs(got - exact).max(), rounding)
 
 
-def test_boundary_planes_of_two_calls_on_the_same_shard_and_kernel_stay_apart():
+@pytest.mark.parametrize("shared_before", [False, True], ids=["different-before", "same-before"])
+def test_boundary_planes_of_two_calls_on_the_same_shard_and_kernel_stay_apart(shared_before):
     """The output is updated in place: two calls with the same shard and kernel tensors,
-    whose 'same' convolutions TensorFlow merges into one, must not add both corrections
-    to one buffer (they did, before the Snapshot got its control dependency)."""
+    whose 'same' convolutions TensorFlow merges into one (and, with the same planes
+    before the shard, their first correction too), must not add their corrections to
+    one buffer. With different planes before the shard they did, before the Snapshot
+    got a control dependency; the same-before case passed then too, and guards the
+    Snapshot's dependency on every correction."""
     from keras_spatial.ops.halo_convolution import convolve_with_boundary_planes
 
     rng = np.random.default_rng(3)
-    x, first, second = (tf.constant(rng.standard_normal(s).astype("float32"))
-                        for s in [(1, 6, 5, 5, 2), (1, 1, 5, 5, 2), (1, 1, 5, 5, 2)])
+    x, planes, first, second = (tf.constant(rng.standard_normal(s).astype("float32"))
+                                for s in [(1, 6, 5, 5, 2)] + [(1, 1, 5, 5, 2)] * 3)
     kernel = tf.constant(rng.standard_normal((3, 3, 3, 2, 3)).astype("float32"))
+    # (before, after) of each call: different planes before the shard and none after it,
+    # or the same planes before it and different ones after it.
+    calls = [(planes, first), (planes, second)] if shared_before else [(first, None), (second, None)]
 
     @tf.function
-    def both(x, kernel, first, second):
-        return (convolve_with_boundary_planes(x, first, None, kernel, 0),
-                convolve_with_boundary_planes(x, second, None, kernel, 0))
+    def both(x, kernel, calls):
+        return [convolve_with_boundary_planes(x, before, after, kernel, 0) for before, after in calls]
 
-    for got, planes in zip(both(x, kernel, first, second), (first, second)):
-        # The received planes before the shard, zeros after it (the volume's face).
-        extended = tf.pad(tf.concat([planes, x], 1), [[0, 0], [0, 1], [1, 1], [1, 1], [0, 0]])
+    for got, (before, after) in zip(both(x, kernel, calls), calls):
+        after = tf.zeros_like(before) if after is None else after  # zeros: the volume's face
+        extended = tf.pad(tf.concat([before, x, after], 1), [[0, 0], [0, 0], [1, 1], [1, 1], [0, 0]])
         expected = tf.nn.conv3d(extended, kernel, [1] * 5, "VALID")
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
 

@@ -1,4 +1,13 @@
-"""Convolution of a shard extended by its halos, without keeping the extended copy.
+"""Convolutions of a shard and the halo planes received from its neighbours.
+
+`convolve_halo_parts` (what `SpatialConv3D` runs without dilation and groups) convolves
+the extended shard without keeping it. `convolve_with_boundary_planes` ('same', stride 1,
+halos along one axis) convolves the shard where it lies and adds the neighbours' taps in
+place to its boundary output planes: no extended copy at all. It is faster at 2-way, but
+raised the 4-way peak memory of CosmoFlow 256^3 by about 280 MiB per rank (cause not
+found; docs/benchmarks.md, ninth session), so `SpatialConv3D` does not use it yet.
+
+`convolve_halo_parts`:
 
 TensorFlow's gradient of a convolution needs the convolution's input, so a plain
 `conv(extend_to_halo(x))` keeps the extended shard (a copy of `x` with the halo planes and
@@ -20,6 +29,20 @@ from typing import Sequence
 import tensorflow as tf
 
 from keras_spatial.ops.halo_exchange import HaloParts
+
+
+def _conv3d_gradients(inputs, weights, d_outputs, strides, padding):
+    """(d_inputs, d_weights) of `tf.nn.conv3d(inputs, weights, strides, padding)`: the
+    kernels TensorFlow's registered gradient of Conv3D runs, with the same attributes."""
+    d_inputs = tf.raw_ops.Conv3DBackpropInputV2(
+        input_sizes=tf.shape(inputs), filter=weights, out_backprop=d_outputs,
+        strides=strides, padding=padding,
+    )
+    d_weights = tf.raw_ops.Conv3DBackpropFilterV2(
+        input=inputs, filter_sizes=tf.shape(weights), out_backprop=d_outputs,
+        strides=strides, padding=padding,
+    )
+    return d_inputs, d_weights
 
 
 def convolve_halo_parts(halo: HaloParts, kernel, strides: Sequence[int]) -> tf.Tensor:
@@ -51,15 +74,7 @@ def convolve_halo_parts(halo: HaloParts, kernel, strides: Sequence[int]) -> tf.T
             with tf.GradientTape() as tape:
                 tape.watch(copies)
                 extended = halo.assemble(*copies)
-            # What TensorFlow's registered gradient of Conv3D runs.
-            d_extended = tf.raw_ops.Conv3DBackpropInputV2(
-                input_sizes=tf.shape(extended), filter=weights, out_backprop=d_outputs,
-                strides=strides, padding="VALID",
-            )
-            d_weights = tf.raw_ops.Conv3DBackpropFilterV2(
-                input=extended, filter_sizes=tf.shape(weights), out_backprop=d_outputs,
-                strides=strides, padding="VALID",
-            )
+            d_extended, d_weights = _conv3d_gradients(extended, weights, d_outputs, strides, "VALID")
             d_parts = tape.gradient(extended, copies, output_gradients=d_extended)
             return (*d_parts, d_weights)
 
@@ -162,37 +177,30 @@ def convolve_with_boundary_planes(x, before, after, kernel, spatial_axis: int) -
     def convolve(x, weights, *planes):
         outputs = tf.nn.conv3d(x, weights, strides, "SAME")
         shape = tf.shape(outputs)
+        slabs = [tf.pad(received, side[1]) for received, side in zip(planes, sides)]
+        corrections = [
+            tf.nn.conv3d(slab, _kernel_taps(weights, spatial_axis, *side[2]), strides, "VALID")
+            for slab, side in zip(slabs, sides)
+        ]
         rows = _rows(outputs, axis)
-        slabs, corrections = [], []
-        for received, (_, pads, taps, first) in zip(planes, sides):
-            slab = tf.pad(received, pads)
-            taps_kernel = _kernel_taps(weights, spatial_axis, *taps)
-            correction = tf.nn.conv3d(slab, taps_kernel, strides, "VALID")
-            if not corrections:
-                # InplaceAdd writes into its input's buffer. Snapshot hands that buffer
-                # on when it is the only reader, and copies it otherwise: TensorFlow
-                # merges identical ops, so two calls with the same shard and kernel
-                # tensors share one 'same' convolution. The dependency on this call's
-                # own correction keeps the Snapshots of such calls apart.
-                with tf.control_dependencies([correction]):
-                    rows = tf.raw_ops.Snapshot(input=rows)
+        if corrections:
+            # InplaceAdd writes into its input's buffer. Snapshot hands that buffer on
+            # when it is the only reader, and copies it otherwise: TensorFlow merges
+            # identical ops, so two calls with the same shard and kernel tensors share
+            # one 'same' convolution. Depending on all of this call's corrections keeps
+            # the Snapshots of such calls apart (and no call's adds can then be merged
+            # with another's while the rest of the adds are not).
+            with tf.control_dependencies(corrections):
+                rows = tf.raw_ops.Snapshot(input=rows)
+        for correction, side in zip(corrections, sides):
             rows = tf.raw_ops.InplaceAdd(
-                x=rows, i=_row_ids(outputs, axis, first, correction.shape[axis]),
+                x=rows, i=_row_ids(outputs, axis, side[3], correction.shape[axis]),
                 v=tf.reshape(correction, [-1, rows.shape[1]]),
             )
-            slabs.append(slab)
-            corrections.append(correction)
         outputs = tf.reshape(rows, shape)
 
         def gradient(d_outputs):
-            d_x = tf.raw_ops.Conv3DBackpropInputV2(
-                input_sizes=tf.shape(x), filter=weights, out_backprop=d_outputs,
-                strides=strides, padding="SAME",
-            )
-            d_weights = tf.raw_ops.Conv3DBackpropFilterV2(
-                input=x, filter_sizes=tf.shape(weights), out_backprop=d_outputs,
-                strides=strides, padding="SAME",
-            )
+            d_x, d_weights = _conv3d_gradients(x, weights, d_outputs, strides, "SAME")
             d_rows = _rows(d_outputs, axis)
             d_planes = []
             for slab, correction, (received, pads, taps, first) in zip(slabs, corrections, sides):
@@ -201,14 +209,7 @@ def convolve_with_boundary_planes(x, before, after, kernel, spatial_axis: int) -
                     tf.shape(correction),
                 )
                 taps_kernel = _kernel_taps(weights, spatial_axis, *taps)
-                d_slab = tf.raw_ops.Conv3DBackpropInputV2(
-                    input_sizes=tf.shape(slab), filter=taps_kernel, out_backprop=d_correction,
-                    strides=strides, padding="VALID",
-                )
-                d_taps = tf.raw_ops.Conv3DBackpropFilterV2(
-                    input=slab, filter_sizes=tf.shape(taps_kernel), out_backprop=d_correction,
-                    strides=strides, padding="VALID",
-                )
+                d_slab, d_taps = _conv3d_gradients(slab, taps_kernel, d_correction, strides, "VALID")
                 taps_padding = [[0, 0]] * 5
                 taps_padding[spatial_axis] = [taps[0], size - taps[1]]
                 d_weights += tf.pad(d_taps, taps_padding)
