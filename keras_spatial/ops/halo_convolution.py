@@ -178,9 +178,10 @@ def convolve_with_boundary_planes(x, before, after, kernel, spatial_axis: int) -
         outputs = tf.nn.conv3d(x, weights, strides, "SAME")
         shape = tf.shape(outputs)
         slabs = [tf.pad(received, side[1]) for received, side in zip(planes, sides)]
+        taps_kernels = [_kernel_taps(weights, spatial_axis, *side[2]) for side in sides]
         corrections = [
-            tf.nn.conv3d(slab, _kernel_taps(weights, spatial_axis, *side[2]), strides, "VALID")
-            for slab, side in zip(slabs, sides)
+            tf.nn.conv3d(slab, taps_kernel, strides, "VALID")
+            for slab, taps_kernel in zip(slabs, taps_kernels)
         ]
         rows = _rows(outputs, axis)
         if corrections:
@@ -203,12 +204,13 @@ def convolve_with_boundary_planes(x, before, after, kernel, spatial_axis: int) -
             d_x, d_weights = _conv3d_gradients(x, weights, d_outputs, strides, "SAME")
             d_rows = _rows(d_outputs, axis)
             d_planes = []
-            for slab, correction, (received, pads, taps, first) in zip(slabs, corrections, sides):
+            for slab, taps_kernel, correction, (received, pads, taps, first) in zip(
+                slabs, taps_kernels, corrections, sides
+            ):
                 d_correction = tf.reshape(
                     tf.gather(d_rows, _row_ids(d_outputs, axis, first, correction.shape[axis])),
                     tf.shape(correction),
                 )
-                taps_kernel = _kernel_taps(weights, spatial_axis, *taps)
                 d_slab, d_taps = _conv3d_gradients(slab, taps_kernel, d_correction, strides, "VALID")
                 taps_padding = [[0, 0]] * 5
                 taps_padding[spatial_axis] = [taps[0], size - taps[1]]
