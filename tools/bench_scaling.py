@@ -32,9 +32,10 @@ paths, (a) the fused gradient allreduce alone (`keras_spatial.comm.grouped_allre
 tensors shaped like the trainable variables, over the world) and (b) every halo exchange
 of the model alone, forward and backward (each spatial window layer's own
 `_extend` -> `keras_spatial.ops.halo_exchange.extend_to_halo` on a tensor of its local
-input shape, with a random upstream gradient of the extended shape; for a pooling layer
-that pools its shard in place, the alltoall of the planes its neighbours need, pooled over
-the other axes, `exchange_axis`). The shares in the
+input shape, with a random upstream gradient of the extended shape; for a convolution
+that convolves its shard where it lies, the alltoall of its halo planes, `exchange_axis`;
+for a pooling layer that pools its shard in place, the alltoall of the planes its
+neighbours need, pooled over the other axes, `exchange_axis`). The shares in the
 table are those isolated medians divided by the step time; overlap with computation is
 not accounted for.
 """
@@ -83,13 +84,15 @@ def _halo_exchange_fn(strategy, model, seed: int):
 
     Each layer's exchange is what the layer runs: the extension of its shard
     (`extend_to_halo` with the layer's plans, as `layer._extend`: alltoall, assembling,
-    padding), or, for a pooling layer that pools
+    padding), or, for a convolution that convolves its shard where it lies, the alltoall
+    of the planes only (`exchange_axis` on the shard), or, for a pooling layer that pools
     its shard in place, the alltoall of the planes its neighbours need, pooled over the
     other axes (`exchange_axis` on a tensor of that reduced shape).
     """
     import numpy as np
     import tensorflow as tf
 
+    from keras_spatial.layers.convolutional import SpatialConv3D, _boundary_plane_axis
     from keras_spatial.layers.pooling import SpatialMaxPooling3D, _boundary_layout
     from keras_spatial.layers.spatial_window import SpatialWindowMixin
     from keras_spatial.ops.halo_exchange import exchange_axis, extend_to_halo
@@ -107,6 +110,14 @@ def _halo_exchange_fn(strategy, model, seed: int):
         in_place = None
         if hasattr(layer, "pool_size"):
             in_place = _boundary_layout(plans, strategy.coords, "max" if is_max else "average")
+        elif isinstance(layer, SpatialConv3D):
+            axis = _boundary_plane_axis(plans, layer.kernel_size, layer.strides, layer.dilation_rate,
+                                        layer.padding, layer.groups, shape[1:4])
+            if axis is not None:  # convolved where it lies: only the planes are exchanged
+                layers.append((plans, axis, True, True))
+                upstream.append(None)
+                inputs.append(tf.constant(rng.standard_normal(shape).astype("float32")))
+                continue
         if in_place is not None:
             axis = in_place[0]
             if axis is None:  # pooled where it lies, nothing exchanged
@@ -423,7 +434,9 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         "allreduce is `keras_spatial.comm.grouped_allreduce` of tensors shaped like the trainable "
         "variables over the world (as `DistributedOptimizer` does); the halo exchanges are every "
         "spatial window layer's own exchange (`layer._extend`, i.e. `extend_to_halo`: alltoall of "
-        "the halo planes, assembling the extended shard, global zero padding; for a pooling layer "
+        "the halo planes, assembling the extended shard, global zero padding; for a convolution "
+        "that convolves its shard where it lies (`convolve_with_boundary_planes`), only the "
+        "alltoall of its halo planes, `exchange_axis`; for a pooling layer "
         "that pools its shard in place, only the alltoall of the planes its neighbours need, pooled "
         "over the other axes, `exchange_axis`) forward AND backward "
         "(the adjoint alltoall), on tensors of the layer's local input shape, one exchange after "

@@ -1,10 +1,16 @@
 """Spatially split 3D convolution."""
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 from keras_spatial.halo import Window
-from keras_spatial.ops.halo_convolution import convolve_halo_parts
+from keras_spatial.ops.halo_convolution import (
+    convolve_halo_parts,
+    convolve_with_boundary_planes,
+    same_padding,
+)
+from keras_spatial.ops.halo_exchange import exchange_axis
 from keras_spatial.layers.spatial_window import (
     SpatialWindowMixin,
     active_spatial_strategy,
@@ -27,11 +33,19 @@ class SpatialConv3D(SpatialWindowMixin, keras.layers.Conv3D):
     strides > 1 together with dilation > 1), 'same' and 'valid', groups, bias and
     activation; channels_last only.
 
-    Memory: without dilation and groups, the extended shard (the shard with its halo
-    planes and zero padding) is not kept for the backward pass; the gradient assembles
-    it again from the shard and the received planes (`keras_spatial.ops.halo_convolution`).
-    That saves a copy of the shard wherever the shard is kept anyway (the model's input,
-    a ReLU's output, a max pool's input or output), for one extra copy per step.
+    How the shard is convolved (`keras_spatial.ops.halo_convolution`):
+    - 'same' padding, stride 1, no dilation, one group, and halos exchanged along one
+      axis only (e.g. a 2x1x1 or 1x4x1 split): the shard is convolved as it is, while
+      its neighbours' planes are in flight, and the taps that read those planes are
+      added in place to the boundary output planes afterwards. No extended copy of
+      the shard is made, forward or backward. The boundary outputs may differ from
+      `keras.layers.Conv3D` on the whole volume by float32 rounding (their sum is
+      split in two); all other outputs are computed as TensorFlow computes them.
+    - otherwise the shard is extended by its halo planes and zero padding and
+      convolved 'valid'; without dilation and groups, the extended shard is not kept
+      for the backward pass, but assembled again from the shard and the received
+      planes. Results are then bit for bit those of a 'valid' Conv3D of the
+      extended shard.
 
     Input shape:
         LOCAL shard `(batch, d, h, w, channels)`, where (d, h, w) is the global extent
@@ -68,6 +82,22 @@ class SpatialConv3D(SpatialWindowMixin, keras.layers.Conv3D):
         if strategy is None:
             return super().convolution_op(inputs, kernel)
         plans = self._axis_plans(strategy, inputs.shape)
+        axis = _boundary_plane_axis(
+            plans, self.kernel_size, self.strides, self.dilation_rate, self.padding,
+            self.groups, inputs.shape[1:4],
+        )
+        if axis is not None:
+            before, after = exchange_axis(
+                inputs, axis, plans[axis], strategy.mesh, strategy.coords,
+                strategy.spatial_process_set, name="ks_halo",
+            )
+            return convolve_with_boundary_planes(
+                inputs,
+                tf.concat(before, axis + 1) if before else None,
+                tf.concat(after, axis + 1) if after else None,
+                kernel,
+                axis,
+            )
         halo = self._exchange(inputs, strategy, plans, fill_value=0.0)
         if self.groups == 1 and all(rate == 1 for rate in self.dilation_rate):
             return convolve_halo_parts(halo, kernel, self.strides)
@@ -87,3 +117,32 @@ class SpatialConv3D(SpatialWindowMixin, keras.layers.Conv3D):
         if strategy is None:
             return super().compute_output_shape(input_shape)
         return self._spatial_output_shape(strategy, input_shape, self.filters)
+
+
+def _boundary_plane_axis(plans, kernel_size, strides, dilation_rate, padding, groups, local_extents):
+    """The one exchanging axis if `convolve_with_boundary_planes` gives the layer's
+    output on every rank, else None (the extended-shard path).
+
+    It does for 'same' padding, stride 1, no dilation, one group, halos exchanged along
+    one axis only, and along that axis at least one plane on each side (so every shard
+    receives something) and no more than a shard holds. Every shard's needed interval
+    must then be its own one widened by TensorFlow's 'same' padding, on every axis.
+    """
+    if (
+        padding != "same"
+        or groups != 1
+        or any(rate != 1 for rate in dilation_rate)
+        or any(stride != 1 for stride in strides)
+    ):
+        return None
+    exchanging = [axis for axis, plan in enumerate(plans) if plan.exchanges]
+    if len(exchanging) != 1:
+        return None
+    axis = exchanging[0]
+    halo = same_padding(kernel_size[axis])
+    if min(halo) < 1 or max(halo) > local_extents[axis]:
+        return None
+    for plan, size in zip(plans, kernel_size):
+        if any(plan.halo(shard) != same_padding(size) for shard in range(plan.shards)):
+            return None
+    return axis

@@ -1,11 +1,10 @@
 """Convolutions of a shard and the halo planes received from its neighbours.
 
-`convolve_halo_parts` (what `SpatialConv3D` runs without dilation and groups) convolves
-the extended shard without keeping it. `convolve_with_boundary_planes` ('same', stride 1,
-halos along one axis) convolves the shard where it lies and adds the neighbours' taps in
-place to its boundary output planes: no extended copy at all. It is faster at 2-way, but
-raised the 4-way peak memory of CosmoFlow 256^3 by about 280 MiB per rank (cause not
-found; docs/benchmarks.md, ninth session), so `SpatialConv3D` does not use it yet.
+`convolve_with_boundary_planes` (what `SpatialConv3D` runs for 'same', stride 1, halos
+along one axis) convolves the shard where it lies and adds the neighbours' taps in place
+to its boundary output planes: no extended copy at all. `convolve_halo_parts` (what it
+runs otherwise, without dilation and groups) convolves the extended shard without keeping
+it.
 
 `convolve_halo_parts`:
 
