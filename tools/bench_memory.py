@@ -23,7 +23,9 @@ that differ only in the step:
   world-averaged gradients, Adam update) of one sample.
 
 Fixed runtime overhead = the baseline job's peak; what scales with the split = the step
-job's peak minus the baseline job's peak, same rank. The same difference within the
+job's peak minus the baseline job's peak, same rank. Next to RSS, the step job records
+TensorFlow's own CPU allocator count (`tf.config.experimental.get_memory_info`): its peak
+bytes in use during the step minus those in use before it. The same difference within the
 step job (peak minus the high-water mark just before the step) is reported as a check.
 The part of a step's memory that does not depend on W (gradients of the 9.4 M
 parameters, their world average, optimizer temporaries, first-execution allocations) is
@@ -82,9 +84,16 @@ def worker(spec: dict) -> None:
     marks["traced"] = common.proc_status_kib("VmRSS")
     hwm_before_step = common.proc_status_kib("VmHWM")
     loss = None
+    allocator = None
     if spec["run_step"]:
+        in_use_before = _allocator_bytes(tf, "current")
+        if in_use_before is not None:
+            tf.config.experimental.reset_memory_stats("CPU:0")
         start = time.perf_counter()
         loss = training.run()
+        peak = _allocator_bytes(tf, "peak")
+        if in_use_before is not None and peak is not None:
+            allocator = {"before": in_use_before, "peak": peak}
         if not np.isfinite(loss):
             raise RuntimeError(f"non-finite loss {loss} on rank {strategy.rank}")
         if strategy.rank == 0:
@@ -97,12 +106,22 @@ def worker(spec: dict) -> None:
         "ru_maxrss_kib": common.ru_maxrss_kib(),
         "plan_bytes": sum(row["bytes"] for row in strategy.summary(training.model, print_fn=None)),
         "input_bytes": 4 * int(np.prod(training.x.shape)),
+        "allocator_bytes": allocator,
         "loss": loss,
     }
     common.barrier(strategy, "done")
     results = common.gather_results(strategy, result, "memory")
     if strategy.rank == 0:
         common.write_result(spec, results)
+
+
+def _allocator_bytes(tf, key: str):
+    """TensorFlow's CPU allocator's bytes in use ("current") or their peak since the last
+    reset ("peak"), or None where the allocator keeps no statistics."""
+    try:
+        return tf.config.experimental.get_memory_info("CPU:0")[key]
+    except ValueError:
+        return None
 
 
 # Driver ------------------------------------------------------------------------------------
@@ -128,13 +147,17 @@ def measure(spec: dict, timeout: float) -> dict:
             "pre_step_hwm": step["hwm_before_step_kib"] / 1024,
             "marks": {k: v / 1024 for k, v in base["marks_kib"].items()},
             "plan": step["plan_bytes"] / MIB,
+            "allocator": None if step.get("allocator_bytes") is None else
+            (step["allocator_bytes"]["peak"] - step["allocator_bytes"]["before"]) / MIB,
             "input": step["input_bytes"] / MIB,
         })
     return dict(spec, ranks_data=ranks)
 
 
-def _worst(row: dict, key: str) -> float:
-    return max(r[key] for r in row["ranks_data"])
+def _worst(row: dict, key: str):
+    """The largest value of `key` over the row's ranks (None if a rank has none)."""
+    values = [r.get(key) for r in row["ranks_data"]]
+    return None if any(v is None for v in values) else max(values)
 
 
 def _serial(rows: list[dict], size: int):
@@ -159,6 +182,8 @@ MAIN_HEADER = [
     "size", "split", "ranks", "fixed overhead: baseline peak (MiB)", "peak with step (MiB)",
     "scales: peak − baseline (MiB)", "scales vs serial",
     "activations: scales − W-independent step cost (MiB)", "activations vs serial",
+    "allocator: step peak − in use before (MiB)", "allocator activations (MiB)",
+    "allocator activations vs serial",
     "plan: activations per rank (MiB)", "plan vs serial",
     "check: peak − pre-step HWM, same job (MiB)", "input shard (MiB)",
 ]
@@ -168,14 +193,20 @@ FIXED_HEADER = [
 ]
 
 
-def _activations(rows: list[dict], row: dict, reference_size: int):
-    """The worst rank's `scaling` minus that of the reference size on the same split (the
-    part of a step's memory that does not depend on W), or None without a reference."""
+def _activations(rows: list[dict], row: dict, reference_size: int, key: str = "scaling"):
+    """The worst rank's `key` ("scaling": RSS, or "allocator") minus that of the reference
+    size on the same split (the part of a step's memory that does not depend on W), or
+    None without a reference or a value."""
     for other in rows:
         if (other["size"] == reference_size and other["spatial"] == row["spatial"]
                 and "ranks_data" in other and other is not row):
-            return _worst(row, "scaling") - _worst(other, "scaling")
+            value, reference = _worst(row, key), _worst(other, key)
+            return None if value is None or reference is None else value - reference
     return None
+
+
+def _optional(value, digits: int = 0) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
 
 
 def main_rows(rows: list[dict], reference_size: int) -> list[list[str]]:
@@ -190,11 +221,15 @@ def main_rows(rows: list[dict], reference_size: int) -> list[list[str]]:
         scaling, plan = _worst(row, "scaling"), _worst(row, "plan")
         activations = _activations(rows, row, reference_size)
         serial_activations = serial and _activations(rows, serial, reference_size)
+        allocator = _activations(rows, row, reference_size, "allocator")
+        serial_allocator = serial and _activations(rows, serial, reference_size, "allocator")
         out.append(head + [
             f"{_worst(row, 'baseline'):.0f}", f"{_worst(row, 'peak'):.0f}", f"{scaling:.0f}",
             _ratio(scaling, serial and _worst(serial, "scaling")),
-            "—" if activations is None else f"{activations:.0f}",
+            _optional(activations),
             "—" if activations is None else _ratio(activations, serial_activations),
+            _optional(_worst(row, "allocator")), _optional(allocator),
+            "—" if allocator is None else _ratio(allocator, serial_allocator),
             f"{plan:.0f}", _ratio(plan, serial and _worst(serial, "plan")),
             f"{_worst(row, 'in_process'):.0f}", f"{_worst(row, 'input'):.1f}",
         ])
@@ -237,6 +272,16 @@ def evaluate_target(rows: list[dict], reference_size: int) -> list[str]:
             f"- Activation memory measured (the same minus the W-independent step cost, i.e. minus "
             f"the {reference_size}^3 job's on the same split): {four_act:.0f} / {serial_act:.0f} MiB = "
             f"**{ratio:.2f}** -> **{'MET' if ratio <= TARGET_RATIO else 'NOT MET'}**."
+        )
+    four_alloc = _activations(rows, four, reference_size, "allocator")
+    serial_alloc = _activations(rows, serial, reference_size, "allocator")
+    if four_alloc is not None and serial_alloc:
+        ratio = four_alloc / serial_alloc
+        lines.append(
+            f"- Activation memory in TensorFlow's allocator (its peak bytes in use during the step "
+            f"minus those before it, minus the same of the {reference_size}^3 job on the same split): "
+            f"{four_alloc:.0f} / {serial_alloc:.0f} MiB = **{ratio:.2f}** -> "
+            f"**{'MET' if ratio <= TARGET_RATIO else 'NOT MET'}**."
         )
     return lines + [
         f"- Plan estimate of forward activations per rank, same comparison: {_worst(four, 'plan'):.0f} / "
@@ -282,6 +327,15 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         "conservative ratio, *activations vs serial* the one the target is about."
         if args.reference_size else
         "- *activations*: not computed (run with --reference-size).",
+        "- *allocator*: TensorFlow's own count of the bytes its CPU allocator has handed out "
+        "(`tf.config.experimental.get_memory_info('CPU:0')`): the peak during the step minus the "
+        "bytes in use just before it, worst rank; *allocator activations*: the same minus that of "
+        f"the {args.reference_size}^3 job on the same split. With oneDNN (the default on x86), "
+        "that allocator is a best-fit pool (`MklCPUAllocator`, BFC) that never gives memory back "
+        "to the system: RSS counts every page of the pool a step has touched, so RSS peaks also "
+        "hold free chunks left between live ones by the order of allocation, and that order "
+        "varies between runs (docs/benchmarks.md, tenth session). The allocator count is what "
+        "the tensors hold, in whole pool chunks.",
         "- *plan*: `strategy.summary(model)`'s total, the bytes of every layer's local forward "
         "output for one sample (float32), of the worst rank; it counts no gradients, halo buffers "
         "or temporaries, and TensorFlow frees some outputs early and keeps others for the backward "
@@ -410,7 +464,8 @@ def main(argv=None) -> int:
             row = measure(spec, args.timeout)
             print(f"    -> worst rank: baseline {_worst(row, 'baseline'):.0f} MiB, peak "
                   f"{_worst(row, 'peak'):.0f} MiB, scales {_worst(row, 'scaling'):.0f} MiB, plan "
-                  f"{_worst(row, 'plan'):.0f} MiB", flush=True)
+                  f"{_worst(row, 'plan'):.0f} MiB, allocator {_optional(_worst(row, 'allocator'))} MiB",
+                  flush=True)
         except RuntimeError as error:
             print(f"    -> FAILED: {error}", flush=True)
             row, failures = dict(spec, error=str(error)), failures + 1
