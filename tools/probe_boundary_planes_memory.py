@@ -6,9 +6,13 @@ One process, no Horovod: one rank's shard of a 4x1x1 split of the paper's CosmoF
 256^3 (64x256x256x4 by default), [conv 3^3 -> LeakyReLU -> average pool 3^3/2 'same']
 x `--blocks`, gradients of the kernels. The halo planes on both faces are stand-ins
 computed from the shard (an interior rank receives on both). Prints the rise of
-TensorFlow's BFC allocator peak during the second step, per variant. The ninth session
-measured 669 MiB (boundary planes) against 549 MiB (extended), the gap the 4x1x1 rows
-of bench_memory showed (docs/benchmarks.md, "Ninth session").
+TensorFlow's BFC allocator peak during the second step, per variant.
+
+The ninth session measured 669 MiB (boundary planes) against 549 MiB (extended) with the
+op as first written (5ef269e); with the op as of 93bbaaf (kernel taps sliced once, the
+Snapshot after all corrections) the tenth session measured 573 against 570 MiB, twice.
+The 4x1x1 rows of bench_memory that had the op switched off were the allocator's pool,
+not the tensors (docs/benchmarks.md, "Tenth session").
 
 Usage: .venv/bin/python tools/probe_boundary_planes_memory.py [--planes 64] [--width 256] [--blocks 3]
 """
