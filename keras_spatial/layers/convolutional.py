@@ -35,10 +35,12 @@ class SpatialConv3D(SpatialWindowMixin, keras.layers.Conv3D):
 
     How the shard is convolved (`keras_spatial.ops.halo_convolution`):
     - 'same' padding, stride 1, no dilation, one group, and halos exchanged along one
-      axis only (e.g. a 2x1x1 or 1x4x1 split): the shard is convolved as it is, while
-      its neighbours' planes are in flight, and the taps that read those planes are
-      added in place to the boundary output planes afterwards. No extended copy of
-      the shard is made, forward or backward. The boundary outputs may differ from
+      axis only (e.g. a 2x1x1 or 1x4x1 split): the shard is convolved as it is, and
+      the taps that read its neighbours' planes are added in place to the boundary
+      output planes afterwards. No extended copy of the shard is made, forward or
+      backward. (The exchange does not overlap that convolution yet: TensorFlow's
+      executor runs the convolution before the send; docs/benchmarks.md, tenth
+      session.) The boundary outputs may differ from
       `keras.layers.Conv3D` on the whole volume by float32 rounding (their sum is
       split in two); all other outputs are computed as TensorFlow computes them.
     - otherwise the shard is extended by its halo planes and zero padding and

@@ -120,7 +120,8 @@ def convolve_with_boundary_planes(x, before, after, kernel, spatial_axis: int) -
        of the kernel, added in place to the boundary output planes (`InplaceAdd` on
        the freshly computed output).
 
-    Step 1 needs no received plane, so it can run while the exchange is in flight.
+    Step 1 needs no received plane, so it could run while the exchange is in flight
+    (whether it does is up to the executor; docs/benchmarks.md, tenth session).
     The gradient is the same decomposition transposed: TensorFlow's own gradient
     kernels on `x` and on the received planes, nothing copied at the size of the
     shard. A boundary output is one sum split into two partial sums, so it may differ
