@@ -84,16 +84,15 @@ def worker(spec: dict) -> None:
     marks["traced"] = common.proc_status_kib("VmRSS")
     hwm_before_step = common.proc_status_kib("VmHWM")
     loss = None
-    allocator = None
+    allocator_rise = None
     if spec["run_step"]:
         in_use_before = _allocator_bytes(tf, "current")
         if in_use_before is not None:
             tf.config.experimental.reset_memory_stats("CPU:0")
         start = time.perf_counter()
         loss = training.run()
-        peak = _allocator_bytes(tf, "peak")
-        if in_use_before is not None and peak is not None:
-            allocator = {"before": in_use_before, "peak": peak}
+        if in_use_before is not None:
+            allocator_rise = _allocator_bytes(tf, "peak") - in_use_before
         if not np.isfinite(loss):
             raise RuntimeError(f"non-finite loss {loss} on rank {strategy.rank}")
         if strategy.rank == 0:
@@ -106,7 +105,7 @@ def worker(spec: dict) -> None:
         "ru_maxrss_kib": common.ru_maxrss_kib(),
         "plan_bytes": sum(row["bytes"] for row in strategy.summary(training.model, print_fn=None)),
         "input_bytes": 4 * int(np.prod(training.x.shape)),
-        "allocator_bytes": allocator,
+        "allocator_rise_bytes": allocator_rise,
         "loss": loss,
     }
     common.barrier(strategy, "done")
@@ -147,8 +146,7 @@ def measure(spec: dict, timeout: float) -> dict:
             "pre_step_hwm": step["hwm_before_step_kib"] / 1024,
             "marks": {k: v / 1024 for k, v in base["marks_kib"].items()},
             "plan": step["plan_bytes"] / MIB,
-            "allocator": None if step.get("allocator_bytes") is None else
-            (step["allocator_bytes"]["peak"] - step["allocator_bytes"]["before"]) / MIB,
+            "allocator": None if step["allocator_rise_bytes"] is None else step["allocator_rise_bytes"] / MIB,
             "input": step["input_bytes"] / MIB,
         })
     return dict(spec, ranks_data=ranks)
@@ -167,8 +165,9 @@ def _serial(rows: list[dict], size: int):
     return None
 
 
-def _ratio(value: float, reference) -> str:
-    return "—" if reference is None or reference <= 0 else f"{value / reference:.2f}"
+def _ratio(value, reference) -> str:
+    """value / reference to 2 decimals, or "—" where either is missing (or reference <= 0)."""
+    return "—" if value is None or reference is None or reference <= 0 else f"{value / reference:.2f}"
 
 
 def _split_label(row: dict) -> str:
@@ -226,10 +225,8 @@ def main_rows(rows: list[dict], reference_size: int) -> list[list[str]]:
         out.append(head + [
             f"{_worst(row, 'baseline'):.0f}", f"{_worst(row, 'peak'):.0f}", f"{scaling:.0f}",
             _ratio(scaling, serial and _worst(serial, "scaling")),
-            _optional(activations),
-            "—" if activations is None else _ratio(activations, serial_activations),
-            _optional(_worst(row, "allocator")), _optional(allocator),
-            "—" if allocator is None else _ratio(allocator, serial_allocator),
+            _optional(activations), _ratio(activations, serial_activations),
+            _optional(_worst(row, "allocator")), _optional(allocator), _ratio(allocator, serial_allocator),
             f"{plan:.0f}", _ratio(plan, serial and _worst(serial, "plan")),
             f"{_worst(row, 'in_process'):.0f}", f"{_worst(row, 'input'):.1f}",
         ])
@@ -265,24 +262,21 @@ def evaluate_target(rows: list[dict], reference_size: int) -> list[str]:
         f"{_worst(four, 'scaling'):.0f} / {_worst(serial, 'scaling'):.0f} MiB = **{measured:.2f}** "
         f"(target <= {TARGET_RATIO}) -> **{verdict}**.",
     ]
-    four_act, serial_act = _activations(rows, four, reference_size), _activations(rows, serial, reference_size)
-    if four_act is not None and serial_act:
-        ratio = four_act / serial_act
-        lines.append(
-            f"- Activation memory measured (the same minus the W-independent step cost, i.e. minus "
-            f"the {reference_size}^3 job's on the same split): {four_act:.0f} / {serial_act:.0f} MiB = "
-            f"**{ratio:.2f}** -> **{'MET' if ratio <= TARGET_RATIO else 'NOT MET'}**."
-        )
-    four_alloc = _activations(rows, four, reference_size, "allocator")
-    serial_alloc = _activations(rows, serial, reference_size, "allocator")
-    if four_alloc is not None and serial_alloc:
-        ratio = four_alloc / serial_alloc
-        lines.append(
-            f"- Activation memory in TensorFlow's allocator (its peak bytes in use during the step "
-            f"minus those before it, minus the same of the {reference_size}^3 job on the same split): "
-            f"{four_alloc:.0f} / {serial_alloc:.0f} MiB = **{ratio:.2f}** -> "
-            f"**{'MET' if ratio <= TARGET_RATIO else 'NOT MET'}**."
-        )
+    for key, measure_text in (
+        ("scaling", "Activation memory measured (the same minus the W-independent step cost, i.e. "
+                    f"minus the {reference_size}^3 job's on the same split)"),
+        ("allocator", "Activation memory in TensorFlow's allocator (its peak bytes in use during the "
+                      f"step minus those before it, minus the same of the {reference_size}^3 job on "
+                      "the same split)"),
+    ):
+        four_act = _activations(rows, four, reference_size, key)
+        serial_act = _activations(rows, serial, reference_size, key)
+        if four_act is not None and serial_act:
+            ratio = four_act / serial_act
+            lines.append(
+                f"- {measure_text}: {four_act:.0f} / {serial_act:.0f} MiB = **{ratio:.2f}** -> "
+                f"**{'MET' if ratio <= TARGET_RATIO else 'NOT MET'}**."
+            )
     return lines + [
         f"- Plan estimate of forward activations per rank, same comparison: {_worst(four, 'plan'):.0f} / "
         f"{_worst(serial, 'plan'):.0f} MiB = {planned:.2f} "

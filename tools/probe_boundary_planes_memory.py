@@ -1,6 +1,6 @@
 """Probe: allocator peak of CosmoFlow blocks 1-3 on one interior 4-way shard, with the
-shard convolved where it lies (`ops.convolve_with_boundary_planes`) or extended
-(`ops.convolve_halo_parts`, what `SpatialConv3D` runs).
+shard convolved where it lies (`ops.convolve_with_boundary_planes`, what `SpatialConv3D`
+runs for this layout) or extended (`ops.convolve_halo_parts`, its path before).
 
 One process, no Horovod: one rank's shard of a 4x1x1 split of the paper's CosmoFlow at
 256^3 (64x256x256x4 by default), [conv 3^3 -> LeakyReLU -> average pool 3^3/2 'same']
