@@ -209,7 +209,13 @@ def worker(spec: dict) -> None:
     step_times, losses = timed_steps(spec["steps"])
     say(f"{spec['steps']} timed steps: median {common.median(step_times):.3f} s (rank 0)")
     common.barrier(strategy, "profile")
-    logdir = tempfile.mkdtemp(prefix=f"profile_step_rank{strategy.rank}_")
+    keep = spec.get("trace_dir")
+    if keep:
+        logdir = os.path.join(keep, f"{spec['model']}{spec['size']}_{spec['key']}", f"rank{strategy.rank}")
+        shutil.rmtree(logdir, ignore_errors=True)
+        os.makedirs(logdir)
+    else:
+        logdir = tempfile.mkdtemp(prefix=f"profile_step_rank{strategy.rank}_")
     try:
         tf.profiler.experimental.start(logdir)
         try:
@@ -223,7 +229,8 @@ def worker(spec: dict) -> None:
         with open(traces[0], "rb") as handle:
             xspace.ParseFromString(handle.read())
     finally:
-        shutil.rmtree(logdir, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(logdir, ignore_errors=True)
     losses += profiled_losses
     if not all(math.isfinite(loss) for loss in losses):
         raise RuntimeError(f"non-finite loss on rank {strategy.rank}: {losses}")
@@ -385,11 +392,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", default=None,
                         help="also write the raw results here (per rank: categories, convolution parts, "
                              "busy/idle, step times, top ops)")
+    parser.add_argument("--trace-dir", default=None,
+                        help="keep each rank's profiler trace under DIR/<model><size>_<config>/rank<r> "
+                             "(TensorBoard's profile plugin reads it; by default traces are deleted)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
         return args
     quick = args.quick
+    args.trace_dir = os.path.abspath(args.trace_dir) if args.trace_dir else None
     args.models = args.models or (QUICK_MODELS if quick else DEFAULT_MODELS)
     args.warmup = args.warmup or (1 if quick else 3)
     args.steps = args.steps or (3 if quick else 10)
@@ -408,7 +419,8 @@ def main(argv=None) -> int:
     command = common.command_line("tools/profile_step.py", sys.argv[1:] if argv is None else argv)
     if any(CONFIGS[key][1] > 1 for key in args.configs):
         common.horovodrun_path()  # fail now, not after the one-rank runs
-    specs = plan_specs(args, profiled_steps=args.profiled_steps, optimizer=args.optimizer)
+    specs = plan_specs(args, profiled_steps=args.profiled_steps, optimizer=args.optimizer,
+                       trace_dir=args.trace_dir)
     rows, failures = [], 0
     for index, spec in enumerate(specs, start=1):
         print(f"[{index}/{len(specs)}] {spec['model']} {spec['size']}^3, {spec['label']} "
