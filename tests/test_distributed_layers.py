@@ -100,6 +100,21 @@ def test_horovod_threads_run_only_on_idle_cores(suites, np_):
         assert classes["tensorflow_threads"] >= 1 and not classes["tensorflow_idle"], f"rank {rank}: {classes}"
 
 
+@pytest.mark.parametrize("np_", [2, 4, 8])
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="thread binding is Linux's")
+def test_ranks_on_one_machine_are_bound_to_their_share_of_its_cpus(suites, np_):
+    # Every rank inherits this process's CPU set from horovodrun (no binding of its own),
+    # so keras_spatial.comm binds local rank r, with all its threads, to its block of it.
+    from keras_spatial.comm.runtime import bind_policy, local_cpu_share
+
+    if bind_policy() == "none":
+        pytest.skip("KERAS_SPATIAL_BIND=none in this environment")
+    per_rank, _ = suites(np_)
+    allowed = os.sched_getaffinity(0)
+    for rank, r in enumerate(per_rank):
+        assert r["affinities"] == [sorted(local_cpu_share(allowed, rank, np_))], f"rank {rank}"
+
+
 def test_world_not_divisible_by_spatial_size_raises(suites):
     per_rank, _ = suites(4)
     for r in per_rank:

@@ -190,6 +190,19 @@ def thread_classes() -> dict:
     }
 
 
+def thread_affinities() -> list:
+    """The distinct CPU sets of this process's threads (sorted lists)."""
+    import os
+
+    sets = set()
+    for thread_id in os.listdir("/proc/self/task"):
+        try:
+            sets.add(tuple(sorted(os.sched_getaffinity(int(thread_id)))))
+        except ProcessLookupError:
+            pass
+    return sorted(list(s) for s in sets)
+
+
 def run_suite(meshes, save_dir=None, bad_spatial_shape=None) -> dict:
     """Everything one launch checks. `meshes` holds (spatial_shape, cases, graph).
 
@@ -217,6 +230,7 @@ def run_suite(meshes, save_dir=None, bad_spatial_shape=None) -> dict:
             prefix = f"{save_dir}/stack_{'x'.join(map(str, spatial_shape))}"
             results[("stack", tuple(spatial_shape))] = run_stack_and_save(strategy, prefix)
     results["thread_classes"] = thread_classes()  # TensorFlow's thread pools exist by now
+    results["affinities"] = thread_affinities()
     # No rank may leave (and shut Horovod down) while another group is still working.
     strategy.barrier()
     return results
