@@ -1,5 +1,6 @@
 """keras_spatial.comm.runtime in one process: the policy for Horovod's threads."""
 
+import contextlib
 import os
 import threading
 
@@ -10,24 +11,43 @@ from keras_spatial.comm import runtime
 linux_only = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 
 
-@pytest.mark.parametrize("value,policy", [(None, "idle"), ("", "idle"), ("idle", "idle"),
-                                          ("Normal", "normal"), (" normal ", "normal")])
-def test_comm_thread_policy_reads_the_environment(monkeypatch, value, policy):
+POLICIES = [
+    (runtime.comm_thread_policy, runtime.COMM_THREADS_VARIABLE, None, "idle"),
+    (runtime.comm_thread_policy, runtime.COMM_THREADS_VARIABLE, "", "idle"),
+    (runtime.comm_thread_policy, runtime.COMM_THREADS_VARIABLE, "idle", "idle"),
+    (runtime.comm_thread_policy, runtime.COMM_THREADS_VARIABLE, "Normal", "normal"),
+    (runtime.comm_thread_policy, runtime.COMM_THREADS_VARIABLE, " normal ", "normal"),
+    (runtime.bind_policy, runtime.BIND_VARIABLE, None, "auto"),
+    (runtime.bind_policy, runtime.BIND_VARIABLE, "", "auto"),
+    (runtime.bind_policy, runtime.BIND_VARIABLE, "AUTO", "auto"),
+    (runtime.bind_policy, runtime.BIND_VARIABLE, " none ", "none"),
+]
+
+
+@pytest.mark.parametrize("read,variable,value,policy", POLICIES)
+def test_policies_read_the_environment(monkeypatch, read, variable, value, policy):
     if value is None:
-        monkeypatch.delenv(runtime.COMM_THREADS_VARIABLE, raising=False)
+        monkeypatch.delenv(variable, raising=False)
     else:
-        monkeypatch.setenv(runtime.COMM_THREADS_VARIABLE, value)
-    assert runtime.comm_thread_policy() == policy
+        monkeypatch.setenv(variable, value)
+    assert read() == policy
 
 
-def test_comm_thread_policy_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv(runtime.COMM_THREADS_VARIABLE, "low")
-    with pytest.raises(ValueError, match=r"KERAS_SPATIAL_COMM_THREADS must be one of idle, normal\. Received: 'low'"):
-        runtime.comm_thread_policy()
+@pytest.mark.parametrize("read,variable,value,message", [
+    (runtime.comm_thread_policy, runtime.COMM_THREADS_VARIABLE, "low",
+     r"KERAS_SPATIAL_COMM_THREADS must be one of idle, normal\. Received: 'low'"),
+    (runtime.bind_policy, runtime.BIND_VARIABLE, "cores",
+     r"KERAS_SPATIAL_BIND must be one of auto, none\. Received: 'cores'"),
+])
+def test_policies_reject_unknown_values(monkeypatch, read, variable, value, message):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=message):
+        read()
 
 
-@linux_only
-def test_schedule_when_idle_moves_only_the_given_threads():
+@contextlib.contextmanager
+def waiting_thread():
+    """A started thread that waits until the block ends (then joined)."""
     started, release = threading.Event(), threading.Event()
 
     def wait():
@@ -38,29 +58,20 @@ def test_schedule_when_idle_moves_only_the_given_threads():
     thread.start()
     try:
         started.wait()
+        yield thread
+    finally:
+        release.set()
+        thread.join()
+
+
+@linux_only
+def test_schedule_when_idle_moves_only_the_given_threads():
+    with waiting_thread() as thread:
         assert thread.native_id in runtime._thread_ids()
         runtime._schedule_when_idle({thread.native_id})
         assert os.sched_getscheduler(thread.native_id) == os.SCHED_IDLE
         assert os.sched_getscheduler(threading.get_native_id()) != os.SCHED_IDLE
-    finally:
-        release.set()
-        thread.join()
     runtime._schedule_when_idle({thread.native_id})  # ended meanwhile: skipped, no error
-
-
-@pytest.mark.parametrize("value,policy", [(None, "auto"), ("", "auto"), ("AUTO", "auto"), (" none ", "none")])
-def test_bind_policy_reads_the_environment(monkeypatch, value, policy):
-    if value is None:
-        monkeypatch.delenv(runtime.BIND_VARIABLE, raising=False)
-    else:
-        monkeypatch.setenv(runtime.BIND_VARIABLE, value)
-    assert runtime.bind_policy() == policy
-
-
-def test_bind_policy_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv(runtime.BIND_VARIABLE, "cores")
-    with pytest.raises(ValueError, match=r"KERAS_SPATIAL_BIND must be one of auto, none\. Received: 'cores'"):
-        runtime.bind_policy()
 
 
 @pytest.mark.parametrize("cpus,size,shares", [
@@ -85,29 +96,19 @@ def test_bind_to_local_share_binds_every_thread_only_when_the_launcher_did_not()
     allowed = os.sched_getaffinity(0)
     if len(allowed) < 2:
         pytest.skip("needs 2 CPUs")
-    started, release = threading.Event(), threading.Event()
-
-    def wait():
-        started.set()
-        release.wait()
-
-    thread = threading.Thread(target=wait)
-    thread.start()
-    try:
-        started.wait()
-        # Ranks with different CPU sets were bound by their launcher: kept as they are.
-        assert runtime.bind_to_local_share(0, 2, [sorted(allowed), [min(allowed)]]) is None
-        assert os.sched_getaffinity(0) == allowed
-        assert runtime.bind_to_local_share(0, 1, [sorted(allowed)]) is None
-        share = runtime.bind_to_local_share(1, 2, [sorted(allowed), sorted(allowed)])
-        assert share == runtime.local_cpu_share(allowed, 1, 2) and share < allowed
-        assert os.sched_getaffinity(0) == share
-        assert os.sched_getaffinity(thread.native_id) == share
-    finally:
-        for thread_id in runtime._thread_ids():
-            try:
-                os.sched_setaffinity(thread_id, allowed)
-            except ProcessLookupError:
-                pass
-        release.set()
-        thread.join()
+    with waiting_thread() as thread:
+        try:
+            # Ranks with different CPU sets were bound by their launcher: kept as they are.
+            assert runtime.bind_to_local_share(0, 2, [sorted(allowed), [min(allowed)]]) is None
+            assert os.sched_getaffinity(0) == allowed
+            assert runtime.bind_to_local_share(0, 1, [sorted(allowed)]) is None
+            share = runtime.bind_to_local_share(1, 2, [sorted(allowed), sorted(allowed)])
+            assert share == runtime.local_cpu_share(allowed, 1, 2) and share < allowed
+            assert os.sched_getaffinity(0) == share
+            assert os.sched_getaffinity(thread.native_id) == share
+        finally:
+            for thread_id in runtime._thread_ids():
+                try:
+                    os.sched_setaffinity(thread_id, allowed)
+                except ProcessLookupError:
+                    pass

@@ -145,13 +145,7 @@ def comm_thread_policy() -> str:
     Raises:
         ValueError: for any other value.
     """
-    policy = os.environ.get(COMM_THREADS_VARIABLE, "idle").strip().lower() or "idle"
-    if policy not in COMM_THREAD_POLICIES:
-        raise ValueError(
-            f"{COMM_THREADS_VARIABLE} must be one of {', '.join(COMM_THREAD_POLICIES)}. "
-            f"Received: {os.environ[COMM_THREADS_VARIABLE]!r}"
-        )
-    return policy
+    return _policy_from_environment(COMM_THREADS_VARIABLE, COMM_THREAD_POLICIES)
 
 
 def bind_policy() -> str:
@@ -162,17 +156,22 @@ def bind_policy() -> str:
     them all the same CPUs, local rank i is bound to its own block of them (see
     `bind_to_local_share`). Measured on 2 cores, 2 unbound ranks of a spatial 2x1x1
     CosmoFlow step let the scheduler move their threads between the cores, and the
-    step was about 5% slower than with each rank on its own core (docs/benchmarks.md,
+    step was about 4% slower than with each rank on its own core (steps alternated in one job) (docs/benchmarks.md,
     eleventh session). "none": leave the CPUs as the launcher set them.
 
     Raises:
         ValueError: for any other value.
     """
-    policy = os.environ.get(BIND_VARIABLE, "auto").strip().lower() or "auto"
-    if policy not in BIND_POLICIES:
+    return _policy_from_environment(BIND_VARIABLE, BIND_POLICIES)
+
+
+def _policy_from_environment(variable: str, policies: Sequence[str]) -> str:
+    """The value of `variable`, lower case, one of `policies` (the first when unset or
+    empty); a ValueError naming the variable and the choices for any other."""
+    policy = os.environ.get(variable, "").strip().lower() or policies[0]
+    if policy not in policies:
         raise ValueError(
-            f"{BIND_VARIABLE} must be one of {', '.join(BIND_POLICIES)}. "
-            f"Received: {os.environ[BIND_VARIABLE]!r}"
+            f"{variable} must be one of {', '.join(policies)}. Received: {os.environ[variable]!r}"
         )
     return policy
 
