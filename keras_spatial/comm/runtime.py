@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Optional, Sequence
 
@@ -154,9 +155,9 @@ def bind_policy() -> str:
 
     "auto": when several ranks of the job run on this machine and the launcher gave
     them all the same CPUs, local rank i is bound to its own block of them (see
-    `bind_to_local_share`). Measured on 2 cores, 2 unbound ranks of a spatial 2x1x1
-    CosmoFlow step let the scheduler move their threads between the cores, and the
-    step was about 4% slower than with each rank on its own core (steps alternated in one job) (docs/benchmarks.md,
+    `bind_to_local_share`). Measured on 2 cores, a spatial 2x1x1 CosmoFlow step whose
+    2 ranks the scheduler may move between the cores was about 4% slower than with
+    each rank on its own core (steps alternated in one job; docs/benchmarks.md,
     eleventh session). "none": leave the CPUs as the launcher set them.
 
     Raises:
@@ -232,10 +233,12 @@ def bind_to_local_share(local_rank: int, local_size: int, machine_affinities) ->
 def _machine_affinities() -> list[list[int]]:
     """The CPU sets of the ranks that run on this machine (one allgather over the
     world: every rank must call it)."""
-    hvd = _hvd()
+    # By host name: Horovod's cross_rank numbers the ranks of equal local rank, which
+    # is not the machine's index when machines run different numbers of ranks.
+    host = socket.gethostname()
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    everyone = hvd.allgather_object((hvd.cross_rank(), affinity), name="ks_affinities")
-    return [cpus for node, cpus in everyone if node == hvd.cross_rank()]
+    everyone = _hvd().allgather_object((host, affinity), name="ks_affinities")
+    return [cpus for name, cpus in everyone if name == host]
 
 
 def _thread_ids() -> set[int]:
