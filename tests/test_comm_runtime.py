@@ -74,6 +74,25 @@ def test_schedule_when_idle_moves_only_the_given_threads():
     runtime._schedule_when_idle({thread.native_id})  # ended meanwhile: skipped, no error
 
 
+@linux_only
+def test_for_each_thread_skips_threads_that_have_ended_and_nothing_else():
+    main = threading.get_native_id()
+    assert main in runtime._for_each_thread(lambda thread_id: thread_id)
+    with waiting_thread() as thread:
+        ended = thread.native_id
+        assert runtime._for_each_thread(lambda thread_id: thread_id, {main, ended}) in ([main, ended], [ended, main])
+
+    def ended_or_fail(thread_id):
+        if thread_id == ended:
+            raise ProcessLookupError(thread_id)
+        raise PermissionError(thread_id)
+
+    assert runtime._for_each_thread(lambda thread_id: os.sched_getaffinity(thread_id), {ended}) == []
+    assert runtime._for_each_thread(ended_or_fail, {ended}) == []
+    with pytest.raises(PermissionError):
+        runtime._for_each_thread(ended_or_fail, {main})
+
+
 @pytest.mark.parametrize("cpus,size,shares", [
     ([0, 1], 2, [{0}, {1}]),
     ([0, 1], 4, [{0}, {1}, {0}, {1}]),

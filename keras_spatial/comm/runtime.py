@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 # Variables Horovod's launchers (horovodrun/horovod.run with Gloo, mpirun, srun) set.
 _LAUNCH_VARIABLES = (
@@ -222,11 +222,7 @@ def bind_to_local_share(local_rank: int, local_size: int, machine_affinities) ->
     if any(set(cpus) != allowed for cpus in machine_affinities):
         return None
     share = local_cpu_share(allowed, local_rank, local_size)
-    for thread_id in _thread_ids():
-        try:
-            os.sched_setaffinity(thread_id, share)
-        except ProcessLookupError:  # ended meanwhile
-            pass
+    _for_each_thread(lambda thread_id: os.sched_setaffinity(thread_id, share))
     return share
 
 
@@ -249,6 +245,22 @@ def _thread_ids() -> set[int]:
         return set()
 
 
+def _for_each_thread(action: Callable[[int], object], thread_ids=None) -> list:
+    """`action(thread_id)` for the threads `thread_ids` of this process (default: all of
+    them, `_thread_ids()`), skipping any that ends meanwhile.
+
+    Returns:
+        The results of the calls, in no particular order.
+    """
+    results = []
+    for thread_id in _thread_ids() if thread_ids is None else thread_ids:
+        try:
+            results.append(action(thread_id))
+        except ProcessLookupError:  # ended meanwhile
+            pass
+    return results
+
+
 def _schedule_when_idle(thread_ids) -> None:
     """Put the threads `thread_ids` of this process into the SCHED_IDLE class.
 
@@ -257,11 +269,8 @@ def _schedule_when_idle(thread_ids) -> None:
     """
     if not hasattr(os, "SCHED_IDLE"):
         return
-    for thread_id in thread_ids:
-        try:
-            os.sched_setscheduler(thread_id, os.SCHED_IDLE, os.sched_param(0))
-        except ProcessLookupError:
-            pass
+    _for_each_thread(lambda thread_id: os.sched_setscheduler(thread_id, os.SCHED_IDLE, os.sched_param(0)),
+                    thread_ids)
 
 
 def _wait_until_usable(process_set, timeout: float = 120.0) -> None:

@@ -194,13 +194,10 @@ def thread_affinities() -> list:
     """The distinct CPU sets of this process's threads (sorted lists)."""
     import os
 
-    sets = set()
-    for thread_id in os.listdir("/proc/self/task"):
-        try:
-            sets.add(tuple(sorted(os.sched_getaffinity(int(thread_id)))))
-        except ProcessLookupError:
-            pass
-    return sorted(list(s) for s in sets)
+    from keras_spatial.comm import runtime
+
+    sets = runtime._for_each_thread(lambda thread_id: tuple(sorted(os.sched_getaffinity(thread_id))))
+    return sorted(list(s) for s in set(sets))
 
 
 def run_suite(meshes, save_dir=None, bad_spatial_shape=None) -> dict:
