@@ -11,7 +11,7 @@
 * the Markdown file `docs/benchmarks.md`, in which each tool owns one section between
   `<!-- BEGIN name -->` and `<!-- END name -->` markers, so the tools never overwrite
   each other's results;
-* machine, load and version facts for the reports; peak RSS from /proc and getrusage.
+* machine, machine-use and version facts for the reports; peak RSS from /proc and getrusage.
 
 Nothing here imports TensorFlow at module level: the thread settings must be applied
 before TensorFlow starts (`configure_threads`).
@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any, Callable, Optional, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,6 +143,47 @@ def machine_line() -> str:
 
 def today() -> str:
     return datetime.date.today().isoformat()
+
+
+# Machine use: other processes and the hypervisor --------------------------------------
+# Fields of /proc/stat's "cpu" line (jiffies over all CPUs); guest time is already in user.
+_CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_counters() -> Optional[dict]:
+    """The machine's CPU time counters (/proc/stat's "cpu" line, in jiffies summed over
+    all CPUs: `_CPU_FIELDS`), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as stat:
+            values = stat.readline().split()[1:1 + len(_CPU_FIELDS)]
+    except OSError:
+        return None
+    return dict(zip(_CPU_FIELDS, map(int, values + ["0"] * (len(_CPU_FIELDS) - len(values)))))
+
+
+def cpu_use_between(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
+    """Between two `cpu_counters` readings: "busy", the cores kept busy on average (all
+    but idle, iowait and steal), and "stolen", the share of the CPUs' time that the
+    hypervisor gave to other guests (steal: the VM wanted to run and could not). None if
+    either reading is missing or no time passed."""
+    if before is None or after is None:
+        return None
+    delta = {field: after[field] - before[field] for field in _CPU_FIELDS}
+    total = sum(delta.values())
+    if total <= 0:
+        return None
+    busy = total - delta["idle"] - delta["iowait"] - delta["steal"]
+    return {"busy": (os.cpu_count() or 1) * busy / total, "stolen": delta["steal"] / total}
+
+
+def cores_busy_by_others(seconds: float = 1.0) -> Optional[float]:
+    """Cores the machine kept busy over `seconds` while this process slept: what other
+    processes used just before a measurement (unlike the load average, not inflated by
+    the benchmark's own jobs that just ended). None where there is no /proc/stat."""
+    before = cpu_counters()
+    time.sleep(seconds)
+    use = cpu_use_between(before, cpu_counters())
+    return None if use is None else use["busy"]
 
 
 # Memory -----------------------------------------------------------------------------------

@@ -53,6 +53,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as common  # noqa: E402  (sets sys.path and TF's log level first)
 
 SECTION = "bench_scaling"
+# Above these, the verdicts carry a caution: cores other processes used just before a
+# configuration, share of CPU time the hypervisor took during it.
+OTHERS_LIMIT = 0.2
+STOLEN_LIMIT = 0.05
 DEFAULT_MODELS = "cosmoflow:64,cosmoflow:128,unet:64"
 QUICK_MODELS = "cosmoflow:32,unet:32"
 DEFAULT_PLOT = os.path.join(common.REPO_ROOT, "docs", "bench_scaling.png")
@@ -334,20 +338,30 @@ def table_rows(rows: list[dict], cores: int) -> list[list[str]]:
         head = [common.model_label(row), f"{row['size']}^3", _config_label(row, cores),
                 f"{row['ranks']} x {row['threads']}"]
         if "step" not in row:
-            out.append(head + [f"FAILED: {row['error']}"] + ["—"] * 6 + [f"{row['load']:.1f}"])
+            out.append(head + [f"FAILED: {row['error']}"] + ["—"] * 6 + _machine_use(row))
             continue
         relative = [f"{row[key]:.2f}" if key in row else "—" for key in ("speedup", "efficiency", "samples_per_s")]
         out.append(head + [
             f"{row['step']:.3f}", *relative, _percent(row["halo"], row["step"]),
-            _percent(row["allreduce"], row["step"]), f"{row['cpu_use']:.2f}", f"{row['load']:.1f}",
+            _percent(row["allreduce"], row["step"]), f"{row['cpu_use']:.2f}", *_machine_use(row),
         ])
     return out
+
+
+def _cores_text(cores) -> str:
+    return "?" if cores is None else f"{cores:.2f}"
+
+
+def _machine_use(row: dict) -> list[str]:
+    """The table's last two cells: other processes' cores before, the stolen share."""
+    stolen = row.get("stolen")
+    return [_cores_text(row.get("others_before")), "?" if stolen is None else f"{100 * stolen:.1f}%"]
 
 
 HEADER = [
     "model", "size", "config", "ranks x threads", "step time (s)", "speedup vs 1 rank 1 thread",
     "efficiency", "samples/s", "halo exchange share", "gradient allreduce share",
-    "cores busy per rank", "load before",
+    "cores busy per rank", "cores used by other processes before", "CPU time stolen by the host",
 ]
 
 
@@ -365,13 +379,22 @@ def _find(rows, model, size, key):
 
 def evaluate_targets(rows: list[dict]) -> list[str]:
     lines = []
-    busiest = max(r["load"] for r in rows)
-    if busiest > 0.5 * common.usable_cores():
+    busy = [r for r in rows if (r.get("others_before") or 0) > OTHERS_LIMIT]
+    stolen = [r for r in rows if (r.get("stolen") or 0) > STOLEN_LIMIT]
+    if busy or stolen:
+        causes = []
+        if busy:
+            worst = max(busy, key=lambda r: r["others_before"])
+            causes.append(f"other processes used up to {worst['others_before']:.2f} of "
+                          f"{common.usable_cores()} cores before {len(busy)} configuration(s)")
+        if stolen:
+            worst = max(stolen, key=lambda r: r["stolen"])
+            causes.append(f"the host took up to {100 * worst['stolen']:.1f}% of the CPU time "
+                          f"during {len(stolen)} configuration(s)")
         lines.append(
-            f"- **Caution: the 1-minute load average reached {busiest:.1f} on {common.usable_cores()} "
-            "cores during this run: other processes shared the machine, and multi-rank steps "
-            "suffer most (every collective waits for the rank that was descheduled). Rerun on a "
-            "quiet machine before trusting these verdicts.**"
+            f"- **Caution: {' and '.join(causes)}: the machine was shared, and multi-rank "
+            "steps suffer most (every collective waits for the rank that was descheduled). "
+            "Rerun on a quiet machine before trusting these verdicts.**"
         )
     sizes = sorted({r["size"] for r in rows if r["model"] == "cosmoflow"})
     if 128 in sizes:
@@ -475,9 +498,16 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         "count on a quiet machine; clearly below it, the rank waited (for a collective, for "
         "the other rank) or was starved of a core by other processes.",
         f"- The machine has {cores} cores: runs with more ranks x threads than cores are "
-        "oversubscribed and show core sharing, not scaling. *load before*: the 1-minute load "
-        "average when the configuration started; well above 0 means other jobs shared the "
-        "machine and the numbers are indicative only.",
+        "oversubscribed and show core sharing, not scaling.",
+        "- *cores used by other processes before*: the cores the machine kept busy in the "
+        "second before the configuration started, while this driver slept and no benchmark "
+        "job ran (/proc/stat); well above 0, other jobs shared the machine. *CPU time stolen "
+        "by the host*: the share of the CPUs' time during the configuration's job that the "
+        "hypervisor gave to other guests (/proc/stat's steal; 0 on bare metal): a host that "
+        "is shared slows every configuration, and multi-rank ones most. Both are "
+        "'?' where /proc/stat is missing. The verdicts below carry a caution when the first "
+        f"exceeds {OTHERS_LIMIT} cores or the second {100 * STOLEN_LIMIT:.0f}% in any "
+        "configuration.",
         "",
         "### Targets",
         "",
@@ -655,10 +685,11 @@ def main(argv=None) -> int:
     )
     rows, failures = [], 0
     for index, spec in enumerate(specs, start=1):
-        load = os.getloadavg()[0]
+        others = common.cores_busy_by_others()
         print(f"[{index}/{len(specs)}] {spec['model']} {spec['size']}^3, {spec['label']} "
-              f"({spec['ranks']} ranks x {spec['threads']} threads; load {load:.1f}) ...", flush=True)
-        start = time.perf_counter()
+              f"({spec['ranks']} ranks x {spec['threads']} threads; other processes used "
+              f"{_cores_text(others)} cores just before) ...", flush=True)
+        start, counters = time.perf_counter(), common.cpu_counters()
         try:
             extra_env = None
             if args.horovod_timeline and spec["ranks"] > 1:
@@ -673,7 +704,8 @@ def main(argv=None) -> int:
         except RuntimeError as error:
             print(f"    -> FAILED: {error}", flush=True)
             row, failures = dict(spec, error=str(error)), failures + 1
-        row["load"] = load
+        use = common.cpu_use_between(counters, common.cpu_counters())
+        row["others_before"], row["stolen"] = others, None if use is None else use["stolen"]
         rows.append(row)
     add_speedups(rows)
     plot(rows, args.plot, args.quick)
