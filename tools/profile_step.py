@@ -442,8 +442,10 @@ def main(argv=None) -> int:
                        trace_dir=args.trace_dir)
     rows, failures = [], 0
     for index, spec in enumerate(specs, start=1):
+        others = common.cores_busy_by_others()
         print(f"[{index}/{len(specs)}] {spec['model']} {spec['size']}^3, {spec['label']} "
-              f"({spec['ranks']} ranks x {spec['threads']} threads; load {os.getloadavg()[0]:.1f}) ...", flush=True)
+              f"({spec['ranks']} ranks x {spec['threads']} threads; other processes used "
+              f"{others if others is None else round(others, 2)} cores just before) ...", flush=True)
         start = time.perf_counter()
         try:
             per_rank = summarize(common.launch_worker(__file__, spec, spec["ranks"], spec["threads"], args.timeout))
