@@ -35,7 +35,8 @@ demo-layers: $(STAMP)
 claim: $(STAMP)
 	$(PY) tools/cosmoflow_volume_claim.py
 
-# docs/benchmarks.md: strong scaling and memory (run on an otherwise idle machine).
+# docs/benchmarks.md: strong scaling (3 rounds) and memory, about 35 minutes (run on an
+# otherwise idle machine).
 bench: $(STAMP)
 	$(PY) tools/bench_scaling.py
 	$(PY) tools/bench_memory.py

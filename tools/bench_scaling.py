@@ -1,7 +1,7 @@
 """Benchmark: strong scaling of one training step, spatial vs threads vs data parallel.
 
-Full run (about 20-30 minutes on a quiet 2-core machine; writes the `bench_scaling`
-section of docs/benchmarks.md and docs/bench_scaling.png):
+Full run (about 25 minutes on a quiet 2-core machine: 3 rounds of 8 minutes; writes the
+`bench_scaling` section of docs/benchmarks.md and docs/bench_scaling.png):
 
     .venv/bin/python tools/bench_scaling.py
 
@@ -38,6 +38,14 @@ for a pooling layer that pools its shard in place, the alltoall of the planes it
 neighbours need, pooled over the other axes, `exchange_axis`). The shares in the
 table are those isolated medians divided by the step time; overlap with computation is
 not accounted for.
+
+Every configuration runs --rounds times (default 3), in turn: round 1 of every
+configuration, then round 2, and so on, so that a slow spell of the machine touches
+several configurations instead of all the rounds of one. A row gives the round with the
+median step and the range over the rounds; the target verdicts use the medians and also
+say, round by round, how often the target was met. One round is not enough on a shared
+2-core machine: in seven single runs of the same CosmoFlow 128^3 configurations, the
+2x1x1 speedup ranged from 1.55 to 1.86 (docs/benchmarks.md, twelfth session).
 """
 
 from __future__ import annotations
@@ -342,10 +350,27 @@ def table_rows(rows: list[dict], cores: int) -> list[list[str]]:
             continue
         relative = [f"{row[key]:.2f}" if key in row else "—" for key in ("speedup", "efficiency", "samples_per_s")]
         out.append(head + [
-            f"{row['step']:.3f}", *relative, _percent(row["halo"], row["step"]),
+            _step_text(row), *relative, _percent(row["halo"], row["step"]),
             _percent(row["allreduce"], row["step"]), f"{row['cpu_use']:.2f}", *_machine_use(row),
         ])
     return out
+
+
+def _step_text(row: dict) -> str:
+    """The median round's step, and the range over the rounds when there were several."""
+    steps = row.get("round_steps") or [row["step"]]
+    if len(steps) == 1:
+        return f"{row['step']:.3f}"
+    return f"{row['step']:.3f} ({min(steps):.3f}-{max(steps):.3f})"
+
+
+def _per_round(row: dict, base: dict, samples_ratio: float = 1.0) -> list[float]:
+    """base's step over row's, round by round (rounds run in turn, so round i of both
+    configurations ran close in time), times `samples_ratio`; [] for a single round."""
+    steps, base_steps = row.get("round_steps") or [], base.get("round_steps") or []
+    if len(steps) < 2 or len(steps) != len(base_steps):
+        return []
+    return [samples_ratio * b / s for s, b in zip(steps, base_steps)]
 
 
 def _cores_text(cores) -> str:
@@ -404,9 +429,13 @@ def evaluate_targets(rows: list[dict]) -> list[str]:
                 lines.append(f"- CosmoFlow 128^3, {key}: not measured (see the table).")
                 continue
             verdict = "MET" if row["efficiency"] >= 0.85 else "NOT MET"
+            rounds = _per_round(row, _baseline(rows, row))
+            spread = (f" Round by round: speedup {', '.join(f'{v:.2f}' for v in rounds)}; met in "
+                      f"{sum(v / (row['ranks'] * row['threads']) >= 0.85 for v in rounds)} of {len(rounds)}." if rounds else "")
             lines.append(
                 f"- 2-way efficiency >= 0.85 at 128^3 (speedup >= 1.7), CosmoFlow {row['label']}: "
-                f"speedup {row['speedup']:.2f}, efficiency {row['efficiency']:.2f} -> **{verdict}**."
+                f"speedup {row['speedup']:.2f}, efficiency {row['efficiency']:.2f} (median rounds) -> "
+                f"**{verdict}**.{spread}"
             )
     else:
         lines.append("- 2-way efficiency >= 0.85 at 128^3: **not evaluated** (no 128^3 model in this run).")
@@ -417,9 +446,13 @@ def evaluate_targets(rows: list[dict]) -> list[str]:
             lines.append(f"- 2x1x1 no slower than 1 rank x 2 threads, {name}: not measured.")
             continue
         verdict = "MET" if split["step"] <= threads["step"] else "NOT MET"
+        rounds = [1 / v for v in _per_round(split, threads)]
+        spread = (f" Round by round: ratio {', '.join(f'{v:.2f}' for v in rounds)}; met in "
+                  f"{sum(v <= 1 for v in rounds)} of {len(rounds)}." if rounds else "")
         lines.append(
             f"- 2x1x1 step no slower than 1 rank x 2 threads, {name}: {split['step']:.3f} s vs "
-            f"{threads['step']:.3f} s (ratio {split['step'] / threads['step']:.2f}) -> **{verdict}**."
+            f"{threads['step']:.3f} s (ratio {split['step'] / threads['step']:.2f}, median rounds) -> "
+            f"**{verdict}**.{spread}"
         )
     return lines
 
@@ -440,7 +473,12 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         f"One training step of ONE sample per data group: forward (training=True), MSE loss, "
         f"backward, {common.optimizer_label(args.optimizer)} update after the fused world-average of the gradients "
         f"(`strategy.distribute_optimizer`), in a `tf.function`. Step time = median over {args.steps} "
-        f"timed steps of the slowest rank's step ({args.warmup} warm-up steps excluded). Each rank "
+        f"timed steps of the slowest rank's step ({args.warmup} warm-up steps excluded). "
+        + (f"Every configuration ran {args.rounds} times, in turn (round 1 of all configurations, then "
+           "round 2, ...): a row is the round with the median step time, with the range over the "
+           "rounds in parentheses, and the speedups compare medians. Round by round, the targets "
+           "below compare configurations of the same round. " if args.rounds > 1 else "")
+        + "Each rank "
         "uses one TensorFlow intra-op thread and one inter-op thread (OMP_NUM_THREADS=1) except "
         "\"1 rank, 2 threads\" (2 intra-op threads); Horovod's background thread comes on top. "
         "One-rank configurations are plain `python` processes (no Horovod); the others run under "
@@ -602,6 +640,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-replicated-skip", action="store_true",
                         help="average the replicated layers' gradients over the world too (the "
                              "optimizer before that change, for before/after numbers)")
+    parser.add_argument("--rounds", type=common.positive_int, default=None,
+                        help="times every configuration is run, in turn (round 1 of all of them, then "
+                             "round 2, ...); the tables give the round with the median step and the "
+                             "range (default 3; 1 with --quick)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration (default 3600)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 32^3 models, 2 warm-up, 2 timed steps")
     parser.add_argument("--out", default=None,
@@ -622,6 +664,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.warmup = args.warmup or (2 if quick else 3)
     args.steps = args.steps or (2 if quick else 10)
     args.component_repeats = args.component_repeats or (3 if quick else 10)
+    args.rounds = args.rounds or (1 if quick else 3)
     args.out = os.path.abspath(args.out or (os.path.join(QUICK_DIRECTORY, "benchmarks.md") if quick else common.BENCHMARKS_MD))
     args.plot = os.path.abspath(args.plot or (os.path.join(QUICK_DIRECTORY, "bench_scaling.png") if quick else DEFAULT_PLOT))
     check_jobs(parser, args, "speedups are relative to 1 rank, 1 thread")
@@ -672,6 +715,49 @@ def plan_specs(args: argparse.Namespace, **per_job) -> list[dict]:
     return specs
 
 
+def run_configuration(spec: dict, args: argparse.Namespace, position: str) -> dict:
+    """One job of `spec`: its summary row (or its error), with the machine's use around it."""
+    others = common.cores_busy_by_others()
+    print(f"[{position}] {spec['model']} {spec['size']}^3, {spec['label']} "
+          f"({spec['ranks']} ranks x {spec['threads']} threads; other processes used "
+          f"{_cores_text(others)} cores just before) ...", flush=True)
+    start, counters = time.perf_counter(), common.cpu_counters()
+    try:
+        extra_env = None
+        if args.horovod_timeline and spec["ranks"] > 1:
+            os.makedirs(args.horovod_timeline, exist_ok=True)
+            extra_env = {"HOROVOD_TIMELINE": os.path.abspath(os.path.join(
+                args.horovod_timeline, f"{spec['model']}{spec['size']}_{spec['key']}.json"))}
+        per_rank = common.launch_worker(__file__, spec, spec["ranks"], spec["threads"], args.timeout, extra_env)
+        row = summarize(spec, per_rank)
+        print(f"    -> step {row['step']:.3f} s, halo {row['halo'] or 0:.4f} s, allreduce "
+              f"{row['allreduce'] or 0:.4f} s, {row['cpu_use']:.2f} cores busy per rank "
+              f"({time.perf_counter() - start:.0f} s wall)", flush=True)
+    except RuntimeError as error:
+        print(f"    -> FAILED: {error}", flush=True)
+        row = dict(spec, error=str(error))
+    use = common.cpu_use_between(counters, common.cpu_counters())
+    row["others_before"], row["stolen"] = others, None if use is None else use["stolen"]
+    return row
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One configuration's row over its rounds: the round with the median step (the
+    lower of the two middle ones for an even count), with every round's step in
+    "round_steps" and the most other processes and stolen time of any round. A
+    configuration that failed in any round is reported as failed, with that error."""
+    failed = [row for row in rounds if "step" not in row]
+    if failed:
+        row = dict(failed[0])
+    else:
+        row = dict(sorted(rounds, key=lambda r: r["step"])[(len(rounds) - 1) // 2])
+        row["round_steps"] = [r["step"] for r in rounds]
+    for key in ("others_before", "stolen"):
+        values = [r[key] for r in rounds if r.get(key) is not None]
+        row[key] = max(values) if values else None
+    return row
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
@@ -683,30 +769,13 @@ def main(argv=None) -> int:
         args, component_repeats=args.component_repeats, optimizer=args.optimizer,
         unet_builder=args.unet_builder, replicated_skip=not args.no_replicated_skip,
     )
-    rows, failures = [], 0
-    for index, spec in enumerate(specs, start=1):
-        others = common.cores_busy_by_others()
-        print(f"[{index}/{len(specs)}] {spec['model']} {spec['size']}^3, {spec['label']} "
-              f"({spec['ranks']} ranks x {spec['threads']} threads; other processes used "
-              f"{_cores_text(others)} cores just before) ...", flush=True)
-        start, counters = time.perf_counter(), common.cpu_counters()
-        try:
-            extra_env = None
-            if args.horovod_timeline and spec["ranks"] > 1:
-                os.makedirs(args.horovod_timeline, exist_ok=True)
-                extra_env = {"HOROVOD_TIMELINE": os.path.abspath(os.path.join(
-                    args.horovod_timeline, f"{spec['model']}{spec['size']}_{spec['key']}.json"))}
-            per_rank = common.launch_worker(__file__, spec, spec["ranks"], spec["threads"], args.timeout, extra_env)
-            row = summarize(spec, per_rank)
-            print(f"    -> step {row['step']:.3f} s, halo {row['halo'] or 0:.4f} s, allreduce "
-                  f"{row['allreduce'] or 0:.4f} s, {row['cpu_use']:.2f} cores busy per rank "
-                  f"({time.perf_counter() - start:.0f} s wall)", flush=True)
-        except RuntimeError as error:
-            print(f"    -> FAILED: {error}", flush=True)
-            row, failures = dict(spec, error=str(error)), failures + 1
-        use = common.cpu_use_between(counters, common.cpu_counters())
-        row["others_before"], row["stolen"] = others, None if use is None else use["stolen"]
-        rows.append(row)
+    per_spec = [[] for _ in specs]  # one row per round
+    for round_index in range(args.rounds):
+        for index, spec in enumerate(specs, start=1):
+            per_spec[index - 1].append(run_configuration(spec, args, f"round {round_index + 1}/{args.rounds}, "
+                                                                     f"{index}/{len(specs)}"))
+    rows = [combine_rounds(rounds) for rounds in per_spec]
+    failures = sum("step" not in row for row in rows)
     add_speedups(rows)
     plot(rows, args.plot, args.quick)
     return common.publish(SECTION, render(rows, args, command), args.out, rows, args.json, failures,
