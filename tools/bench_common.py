@@ -186,6 +186,11 @@ def cores_busy_by_others(seconds: float = 1.0) -> Optional[float]:
     return None if use is None else use["busy"]
 
 
+def cores_text(cores: Optional[float]) -> str:
+    """How reports print a number of cores from `cores_busy_by_others`: '?' for None."""
+    return "?" if cores is None else f"{cores:.2f}"
+
+
 # Memory -----------------------------------------------------------------------------------
 def proc_status_kib(field: str) -> int:
     """A `kB` field of /proc/self/status (VmRSS, VmHWM, ...), in KiB."""

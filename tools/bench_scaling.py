@@ -364,23 +364,19 @@ def _step_text(row: dict) -> str:
     return f"{row['step']:.3f} ({min(steps):.3f}-{max(steps):.3f})"
 
 
-def _per_round(row: dict, base: dict, samples_ratio: float = 1.0) -> list[float]:
+def _per_round(row: dict, base: dict) -> list[float]:
     """base's step over row's, round by round (rounds run in turn, so round i of both
-    configurations ran close in time), times `samples_ratio`; [] for a single round."""
+    configurations ran close in time); [] for a single round."""
     steps, base_steps = row.get("round_steps") or [], base.get("round_steps") or []
     if len(steps) < 2 or len(steps) != len(base_steps):
         return []
-    return [samples_ratio * b / s for s, b in zip(steps, base_steps)]
-
-
-def _cores_text(cores) -> str:
-    return "?" if cores is None else f"{cores:.2f}"
+    return [b / s for s, b in zip(steps, base_steps)]
 
 
 def _machine_use(row: dict) -> list[str]:
     """The table's last two cells: other processes' cores before, the stolen share."""
     stolen = row.get("stolen")
-    return [_cores_text(row.get("others_before")), "?" if stolen is None else f"{100 * stolen:.1f}%"]
+    return [common.cores_text(row.get("others_before")), "?" if stolen is None else f"{100 * stolen:.1f}%"]
 
 
 HEADER = [
@@ -720,7 +716,7 @@ def run_configuration(spec: dict, args: argparse.Namespace, position: str) -> di
     others = common.cores_busy_by_others()
     print(f"[{position}] {spec['model']} {spec['size']}^3, {spec['label']} "
           f"({spec['ranks']} ranks x {spec['threads']} threads; other processes used "
-          f"{_cores_text(others)} cores just before) ...", flush=True)
+          f"{common.cores_text(others)} cores just before) ...", flush=True)
     start, counters = time.perf_counter(), common.cpu_counters()
     try:
         extra_env = None

@@ -445,7 +445,7 @@ def main(argv=None) -> int:
         others = common.cores_busy_by_others()
         print(f"[{index}/{len(specs)}] {spec['model']} {spec['size']}^3, {spec['label']} "
               f"({spec['ranks']} ranks x {spec['threads']} threads; other processes used "
-              f"{others if others is None else round(others, 2)} cores just before) ...", flush=True)
+              f"{common.cores_text(others)} cores just before) ...", flush=True)
         start = time.perf_counter()
         try:
             per_rank = summarize(common.launch_worker(__file__, spec, spec["ranks"], spec["threads"], args.timeout))
