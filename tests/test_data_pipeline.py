@@ -424,9 +424,9 @@ def _case(name, files, spatial_shape, batch_size, **overrides):
     return case
 
 
-def _volume_case(name, files, spatial_shape, batch_size):
+def _volume_case(name, files, spatial_shape, batch_size, **overrides):
     return _case(name, files, spatial_shape, batch_size, paths=files["volumes"], x="grp/x",
-                 y="grp/y", channels_first=False, y_dtype="int8")
+                 y="grp/y", channels_first=False, y_dtype="int8", **overrides)
 
 
 def _check_case(reports, case):
@@ -437,6 +437,8 @@ def _check_case(reports, case):
     originals = [volume_sample(i) if volumes else (cosmo_sample(i), cosmo_label(i))
                  for i in range(NUM_SAMPLES)]
     local = mesh.local_extents(originals[0][0].shape[:3])
+    augment = case.get("augment")
+    seen = set()
     for epoch in range(case["epochs"]):
         group_ids = []
         for data_index in range(mesh.data_size):
@@ -448,21 +450,32 @@ def _check_case(reports, case):
                 data_index=data_index, epoch=epoch, seed=case["seed"])
             assert len(x_batches[0]) == len(ids)
             for position, sample in enumerate(ids):
-                x_full = np.zeros_like(originals[sample][0])
-                y_full = np.zeros_like(originals[sample][1])
+                expected = originals[sample]
+                if augment:
+                    # What each rank of the group read must be its part of the numpy
+                    # transform of the whole sample by the symmetry drawn for it.
+                    symmetry = ks_data.augment.symmetries(augment)[ks_data.augment.draw(
+                        augment, seed=case["seed"], epoch=epoch, index=int(sample))]
+                    expected = (symmetry.apply(expected[0]),
+                                symmetry.apply(expected[1]) if volumes else expected[1])
+                    seen.add(symmetry)
+                x_full = np.zeros_like(expected[0])
+                y_full = np.zeros_like(expected[1])
                 for report, xs, ys in zip(group, x_batches, y_batches):
                     box = tuple(slice(c * n, (c + 1) * n) for c, n in zip(report["coords"], local))
                     x_full[box] = xs[position]
                     if volumes:
                         y_full[box] = ys[position]
                     else:
-                        np.testing.assert_array_equal(ys[position], originals[sample][1])
+                        np.testing.assert_array_equal(ys[position], expected[1])
                         y_full = ys[position]
-                np.testing.assert_array_equal(x_full, originals[sample][0])
-                np.testing.assert_array_equal(y_full, originals[sample][1])
+                np.testing.assert_array_equal(x_full, expected[0])
+                np.testing.assert_array_equal(y_full, expected[1])
             group_ids.append(ids)
         joined = np.concatenate(group_ids)
         assert sorted(joined.tolist()) == list(range(NUM_SAMPLES))  # disjoint and complete
+    if augment:  # enough draws that the identity alone would be a failure
+        assert len(seen) > 3, seen
     # The shards matched these orders above, so the ranks saw a new order in epoch 1.
     assert not np.array_equal(
         ks_data.epoch_order(NUM_SAMPLES, epoch=0, seed=case["seed"]),
@@ -486,9 +499,16 @@ def test_two_ranks_depth_split(files):
 
     split = _case("split", files, (2, 1, 1), 2)
     disagree = _case("disagree", files, (2, 1, 1), 2, rank_seed=True)
+    # Flips and permutations of depth, the split axis, and of axes across it; sharded labels.
+    augmented = [_case("cube_depth", files, (2, 1, 1), 2, augment="cube", epochs=3),
+                 _case("cube_width", files, (1, 1, 2), 2, augment="cube", epochs=3),
+                 _volume_case("volumes_cube_depth", files, (2, 1, 1), 2, augment="cube"),
+                 _volume_case("volumes_flips_width", files, (1, 1, 2), 2, augment="flips")]
     fit = _case("fit", files, (2, 1, 1), 2, dtype="float32")
-    reports = run_on_ranks(read_shards, 2, [split, disagree], fit)
+    reports = run_on_ranks(read_shards, 2, [split, disagree] + augmented, fit)
     _check_case(reports, split)
+    for case in augmented:
+        _check_case(reports, case)
     for report in reports:
         assert report["disagree"]["error"].startswith("ValueError: All ranks must call")
         assert "Ranks [1] differ from rank 0" in report["disagree"]["error"]
@@ -508,10 +528,14 @@ def test_four_ranks_spatial_and_hybrid(files, tmp_path):
         _case("hybrid", files, (2, 1, 1), 4),
         _volume_case("volumes_hybrid", files, (2, 1, 1), 4),
         _volume_case("volumes_spatial", files, (1, 2, 2), 2),
+        _case("cube_hybrid", files, (2, 1, 1), 4, augment="cube", epochs=3),
+        _case("cube_height_width", files, (1, 2, 2), 2, augment="cube", epochs=3),
+        _volume_case("volumes_cube_hybrid", files, (2, 1, 1), 4, augment="cube"),
+        _volume_case("volumes_cube_spatial", files, (1, 2, 2), 2, augment="cube"),
         _case("odd", files, (2, 1, 1), 2, paths=[odd], x="x", y="y", channels_first=False),
     ]
     reports = run_on_ranks(read_shards, 4, cases)
-    for case in cases[:4]:
+    for case in cases[:-1]:
         _check_case(reports, case)
     for report in reports:
         assert "The depth extent 9 cannot be split evenly into 2 shards" in report["odd"]["error"]

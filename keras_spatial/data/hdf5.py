@@ -9,6 +9,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import h5py
 import numpy as np
 
+from keras_spatial.data.augment import CubeSymmetry
 from keras_spatial.data.errors import InvalidDataError
 from keras_spatial.data.errors import UnreadableFileError
 from keras_spatial.data.files import PathsLike
@@ -405,7 +406,10 @@ class HDF5Dataset:
         return self._paths[file_index], None if self._one_sample_per_file else local
 
     def read(
-        self, index: int, region: Optional[Region] = None
+        self,
+        index: int,
+        region: Optional[Region] = None,
+        transform: Optional[CubeSymmetry] = None,
     ) -> tuple[np.ndarray, Optional[np.ndarray]]:
         """Read sample `index`, only the hyperslab `region` of it, from its file.
 
@@ -415,8 +419,14 @@ class HDF5Dataset:
         Args:
             index: sample index, 0 .. len-1.
             region: three slices `(depth, height, width)` in GLOBAL voxel coordinates
-                of the sample (of the crop, when the dataset has one), or None for the
-                whole sample. Defaults to None.
+                of the sample (of the crop, when the dataset has one; of the
+                transformed sample, with `transform`), or None for the whole sample.
+                Defaults to None.
+            transform: a `keras_spatial.data.augment.CubeSymmetry` applied to the
+                sample (and to a sharded label volume) before `region` is taken: the
+                result is `region` of `transform.apply(whole sample)`, read from the
+                matching hyperslab of the file. An axis permutation needs equal
+                extents on the permuted axes. Defaults to None (as stored).
 
         Returns:
             `(x, y)`: the input shard `(d, h, w, C)` (preprocessed, of `dtype`), and
@@ -429,6 +439,14 @@ class HDF5Dataset:
         """
         index = int(index)
         region = _check_region(region, self._sample_shape[:3])
+        if transform is not None:
+            extents = self._sample_shape[:3]
+            if any(extents[p] != extents[a] for a, p in enumerate(transform.permutation)):
+                raise ValueError(
+                    f"The transform permutes axes of unequal extents {tuple(extents)}: the "
+                    f"transformed sample would change shape. Received: transform={transform}."
+                )
+            region = transform.source_region(region, extents)
         if self._crop is not None:
             region = tuple(
                 slice(c.start + r.start, c.start + r.stop) for c, r in zip(self._crop, region)
@@ -450,6 +468,10 @@ class HDF5Dataset:
                     f"input shape={x.shape}, output shape={processed.shape}."
                 )
             x = processed
+        if transform is not None:
+            x = transform.apply(x)
+            if y is not None and self._y_sharded:
+                y = transform.apply(y)
         x = np.ascontiguousarray(x, dtype=self._dtype)
         if y is not None:
             y = np.ascontiguousarray(y, dtype=self._y_dtype)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 import numpy as np
 import tensorflow as tf
 
+from keras_spatial.data import augment as augmentation
 from keras_spatial.data import order
 from keras_spatial.data.errors import InvalidDataError
 from keras_spatial.data.hdf5 import HDF5Dataset
@@ -24,16 +25,22 @@ class _EpochCounter:
     the dataset - one per `model.fit` epoch - gets the next epoch's order.
     """
 
-    def __init__(self, initial_epoch: int, **order_kwargs):
+    def __init__(self, initial_epoch: int, augment: Optional[str], **order_kwargs):
         self._next_epoch = int(initial_epoch)
+        self._augment = augment
         self._order_kwargs = order_kwargs
         self._lock = threading.Lock()
 
-    def __call__(self) -> Iterator[np.int64]:
+    def __call__(self) -> Iterator[tuple[np.int64, np.int64]]:
+        """(sample index, position of its symmetry in `augment.symmetries`; 0 = as stored)."""
         with self._lock:
             epoch = self._next_epoch
             self._next_epoch += 1
-        yield from order.data_group_order(epoch=epoch, **self._order_kwargs)
+        seed = self._order_kwargs["seed"]
+        for index in order.data_group_order(epoch=epoch, **self._order_kwargs):
+            symmetry = 0 if self._augment is None else augmentation.draw(
+                self._augment, seed=seed, epoch=epoch, index=int(index))
+            yield np.int64(index), np.int64(symmetry)
 
 
 def _local_region(strategy: "SpatialStrategy", dataset: HDF5Dataset) -> tuple[slice, ...]:
@@ -79,6 +86,7 @@ def distribute_dataset(
     initial_epoch: int = 0,
     num_parallel_reads: int = tf.data.AUTOTUNE,
     prefetch: int = 2,
+    augment: Optional[str] = None,
 ) -> tf.data.Dataset:
     """A `tf.data.Dataset` of this rank's `(x_local, y)` batches, for `model.fit`.
 
@@ -128,6 +136,17 @@ def distribute_dataset(
         num_parallel_reads: samples read concurrently. Defaults to
             `tf.data.AUTOTUNE`.
         prefetch: batches prepared ahead of the training step. Defaults to 2.
+        augment: None, "flips" or "cube": transform every sample by a symmetry drawn
+            uniformly, per sample and epoch, from the 8 reflections ("flips") or the
+            48 symmetries of the cube ("cube": rotations and reflections; cubic
+            samples only), applied to the input and to sharded label volumes
+            (replicated labels are unchanged: use it only where the labels are
+            invariant, or transform with the volume). The symmetry is a function of
+            `(seed, epoch, sample index)` (`keras_spatial.data.augment.draw`), so all
+            ranks of a spatial group transform a sample alike; each rank reads the
+            hyperslab of the stored sample that its shard of the transformed sample
+            comes from, so augmentation adds no communication and no bytes read.
+            Defaults to None (samples as stored).
 
     Returns:
         A finite `tf.data.Dataset` of `steps_per_epoch` batches per pass.
@@ -135,7 +154,8 @@ def distribute_dataset(
     Raises:
         TypeError: if `dataset` is not an `HDF5Dataset`.
         ValueError: if `batch_size` is not a multiple of the number of data groups,
-            or ranks were given different files or settings (raised on all ranks).
+            `augment` is unknown or "cube" for non-cubic samples, or ranks were given
+            different files or settings (raised on all ranks).
         InvalidDataError: if the mesh cannot split the samples' extents, or the
             dataset holds fewer samples than one global batch with
             `drop_remainder=True`.
@@ -155,6 +175,7 @@ def distribute_dataset(
             f"Received: dataset={type(dataset).__name__}."
         )
     per_group = order.check_batch_size(batch_size, strategy.data_size)
+    augmentation.check_augment(augment, dataset.sample_shape[:3])
     order.epoch_order(0, epoch=initial_epoch, seed=seed)  # validates seed and epoch
     region = _local_region(strategy, dataset)
     steps = order.steps_per_epoch(len(dataset), batch_size, drop_remainder)
@@ -167,11 +188,12 @@ def distribute_dataset(
     if strategy.size > 1:
         _check_ranks_agree(
             (dataset.fingerprint(), int(batch_size), bool(shuffle), int(seed),
-             bool(drop_remainder), int(initial_epoch)),
+             bool(drop_remainder), int(initial_epoch), augment),
         )
 
     counter = _EpochCounter(
         initial_epoch,
+        augment,
         num_samples=len(dataset),
         batch_size=batch_size,
         data_size=strategy.data_size,
@@ -181,10 +203,11 @@ def distribute_dataset(
         drop_remainder=drop_remainder,
     )
     indices = tf.data.Dataset.from_generator(
-        counter, output_signature=tf.TensorSpec((), tf.int64)
+        counter, output_signature=(tf.TensorSpec((), tf.int64), tf.TensorSpec((), tf.int64))
     )
     samples = indices.map(
-        _reader(dataset, region), num_parallel_calls=num_parallel_reads, deterministic=True
+        _reader(dataset, region, augment), num_parallel_calls=num_parallel_reads,
+        deterministic=True,
     )
     batches = samples.batch(per_group, drop_remainder=True)
     batches = batches.apply(tf.data.experimental.assert_cardinality(steps))
@@ -194,17 +217,23 @@ def distribute_dataset(
     return batches.with_options(options).prefetch(prefetch)
 
 
-def _reader(dataset: HDF5Dataset, region: tuple[slice, ...]) -> Callable:
-    """The tf.data map function reading one sample's shard (and label)."""
+def _reader(dataset: HDF5Dataset, region: tuple[slice, ...], augment: Optional[str]) -> Callable:
+    """The tf.data map function reading one sample's shard (and label), transformed by
+    the symmetry the order generator drew for it."""
     x_shape = tuple(s.stop - s.start for s in region) + (dataset.sample_shape[3],)
     x_dtype = tf.as_dtype(dataset.dtype)
+    table = augmentation.symmetries(augment) if augment is not None else (None,)
+
+    def read(index: np.int64, symmetry: np.int64):
+        return dataset.read(int(index), region, table[int(symmetry)])
+
     if dataset.y_key is None:
 
-        def read_x(index: np.int64) -> np.ndarray:
-            return dataset.read(int(index), region)[0]
+        def read_x(index: np.int64, symmetry: np.int64) -> np.ndarray:
+            return read(index, symmetry)[0]
 
-        def read_input(index: tf.Tensor) -> tf.Tensor:
-            x = tf.numpy_function(read_x, [index], x_dtype, name="read_hdf5_shard")
+        def read_input(index: tf.Tensor, symmetry: tf.Tensor) -> tf.Tensor:
+            x = tf.numpy_function(read_x, [index, symmetry], x_dtype, name="read_hdf5_shard")
             return tf.ensure_shape(x, x_shape)
 
         return read_input
@@ -214,12 +243,9 @@ def _reader(dataset: HDF5Dataset, region: tuple[slice, ...]) -> Callable:
         y_shape = x_shape[:3] + tuple(y_shape[3:])
     y_dtype = tf.as_dtype(dataset.y_dtype)
 
-    def read_xy(index: np.int64) -> tuple[np.ndarray, Optional[np.ndarray]]:
-        return dataset.read(int(index), region)
-
-    def read_sample(index: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    def read_sample(index: tf.Tensor, symmetry: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         x, y = tf.numpy_function(
-            read_xy, [index], (x_dtype, y_dtype), name="read_hdf5_shard"
+            read, [index, symmetry], (x_dtype, y_dtype), name="read_hdf5_shard"
         )
         return tf.ensure_shape(x, x_shape), tf.ensure_shape(y, y_shape)
 

@@ -77,7 +77,7 @@ def read_shards(cases: list[dict], fit_case: Optional[dict] = None) -> dict[str,
 
     Each case is a dict with `name`, `spatial_shape`, `paths`, `x`, `y`,
     `channels_first`, `dtype`, `y_dtype`, `batch_size`, `epochs`, `seed` and optionally
-    `rank_seed` (seed + rank, to provoke a disagreement). The error of
+    `rank_seed` (seed + rank, to provoke a disagreement) and `augment`. The error of
     `distribute_dataset`, if any, is reported instead of the batches. Cases run one
     after another, each on a new `SpatialStrategy` (Horovod process sets are dynamic).
     """
@@ -97,7 +97,8 @@ def read_shards(cases: list[dict], fit_case: Optional[dict] = None) -> dict[str,
         )
         seed = case["seed"] + strategy.rank if case.get("rank_seed") else case["seed"]
         try:
-            ds = strategy.distribute_dataset(dataset, case["batch_size"], seed=seed)
+            ds = strategy.distribute_dataset(dataset, case["batch_size"], seed=seed,
+                                             augment=case.get("augment"))
         except (ValueError, OSError) as error:
             report[case["name"]] = {"error": f"{type(error).__name__}: {error}"}
             continue
