@@ -109,14 +109,22 @@ def positive_int(flag: str) -> Callable[[str], int]:
     Args:
         flag: the option's name, e.g. '--epochs', quoted in the error message.
     """
+    return _int_at_least(flag, 1, "a positive integer")
 
+
+def non_negative_int(flag: str) -> Callable[[str], int]:
+    """Returns an argparse type for an integer >= 0 given to the option `flag`."""
+    return _int_at_least(flag, 0, "a non-negative integer")
+
+
+def _int_at_least(flag: str, low: int, what: str) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be a positive integer. Received: {flag} {text!r}")
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {what}. Received: {flag} {text!r}")
         return value
 
     return parse

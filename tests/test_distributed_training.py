@@ -16,12 +16,13 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 SUITES = {
     2: [
         ((2, 1, 1), ["fit-voxel-adam", "fit-voxel-sgd-schedule", "fit-cosmoflow-adam", "fit-unet-adam",
-                     "checkpoint", "early-stopping", "dropout-head"]),
-        ((1, 1, 2), ["fit-voxel-adamw"]),
+                     "fit-mlperf-sgd-schedule", "checkpoint", "early-stopping", "dropout-head"]),
+        ((1, 1, 2), ["fit-voxel-adamw", "fit-mlperf-sgd-schedule"]),
     ],
     4: [
         ((2, 1, 1), ["fit-cosmoflow-adam", "fit-unet-adam", "early-stopping", "dropout-head"]),  # 2 data groups x 2
-        ((1, 2, 2), ["fit-cosmoflow-fused-adam", "fit-unet-sgd-schedule", "checkpoint"]),
+        ((1, 2, 2), ["fit-cosmoflow-fused-adam", "fit-unet-sgd-schedule", "fit-mlperf-sgd-schedule",
+                     "checkpoint"]),
     ],
 }
 
@@ -55,7 +56,8 @@ def test_training_matches_one_process(training, np_, shape, run):
     assert rank0["weight_excess"] <= 0, "weights differ from the serial run beyond rtol=atol=1e-4"
     # The dense head's kernels and biases (after SpatialFlatten) are averaged over data
     # groups only; the rest over the world.
-    expected_replicated = 4 if "cosmoflow" in run else 0
+    # The "mlperf" head has three dense layers.
+    expected_replicated = 4 if "cosmoflow" in run else 6 if "mlperf" in run else 0
     for r in results:
         assert r["replicated"] == expected_replicated
         assert r["spread"] == 0.0, "weights differ between ranks"

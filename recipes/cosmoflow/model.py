@@ -5,7 +5,7 @@ dense head, so the same function gives a spatially split model (inside a strateg
 `scope()`) and, with no spatial strategy, a model equivalent to plain Keras
 (`keras_spatial.to_keras_model` of it has the same layers and weights).
 
-"paper" (SCIENCE.md, the LBANN application): every conv has kernel 3, 'same', no bias,
+"paper" (Oyama et al. 2020, the LBANN application): every conv has kernel 3, 'same', no bias,
 Glorot uniform, then (optional batch norm and) LeakyReLU(0.01); every pool is AVERAGE,
 window 3, stride 2, 'same'. Seven blocks of 16, 32, 64, 128 (conv stride 2), 256, 256, 256
 filters; blocks 1-3 always pool; the pools of blocks 4-7 are applied only while the depth
@@ -17,11 +17,22 @@ count is the same at every W: 9,437,636 (4,715,712 conv + 4,721,924 dense; batch
 2 trainable + 2 statistics per channel). Head: Dropout -> Dense 2048 -> LeakyReLU ->
 Dropout -> Dense 256 -> LeakyReLU -> Dropout -> Dense 4 (linear).
 
-"mlperf" (mlcommons/hpc cosmoflow): 5 x [Conv3D(32*2^i, 3, 'same', bias) -> LeakyReLU(0.3)
--> MaxPool3D(2)], Flatten, Dense 128 -> LeakyReLU(0.3) -> Dropout(0.5) -> Dense 64 ->
-LeakyReLU(0.3) -> Dropout(0.5) -> Dense 4 tanh -> Rescaling(1.2). W must be a multiple of
-32 (five 2x pools); the first dense layer grows with W ((W/32)^3 x 512 inputs). The input
-is expected as log(1 + counts); that transform belongs to the data pipeline, not the model.
+"mlperf" (MLPerf HPC's reference, mlcommons/hpc `cosmoflow/models/cosmoflow.py` with
+`configs/cosmo.yaml`): 5 x [Conv3D(32*2^i, kernel 2, 'same', bias) -> LeakyReLU(0.3) ->
+MaxPool3D(2)], Flatten, Dense 128 -> LeakyReLU(0.3) -> Dropout(0.5) -> Dense 64 ->
+LeakyReLU(0.3) -> Dropout(0.5) -> Dense 4 tanh -> Rescaling(1.2): 5,597,604 parameters at
+128^3. The even kernel with 'same' padding pads one voxel after each axis and none before
+(Keras's rule), so its spatial split exchanges a one-sided halo. W must be a multiple of 32
+(five 2x pools); the first dense layer grows with W ((W/32)^3 x 512 inputs). The input is
+expected as log(1 + counts); that transform belongs to the data pipeline, not the model.
+
+`head="gap"` (either variant) replaces the flatten by a global average over the last
+volume (`SpatialGlobalAveragePooling3D`, or Keras's after a gather): the head then sees
+the trunk's features averaged over the whole sample (256 of them for "paper", 512 for
+"mlperf") instead of their 2^3 (or (W/32)^3) positions. The trunk is unchanged.
+`head="gap-bn"` adds a `SpatialBatchNormalization` of those averages (statistics over the
+global batch): the parameters live in small differences of the averages between samples
+(a few percent of their value), which the normalization brings to unit scale.
 
 Both variants can start with a fixed per-channel standardization (`input_mean`,
 `input_std`: a `keras.layers.Normalization` with constant statistics, voxel by voxel, so
@@ -40,6 +51,7 @@ import keras_spatial as ks
 from keras_spatial import layers as ks_layers
 
 VARIANTS = ("paper", "mlperf")
+HEADS = ("flatten", "gap", "gap-bn")
 MIN_SIZE, MAX_SIZE = 32, 512
 PAPER_FILTERS = (16, 32, 64, 128, 256, 256, 256)
 PAPER_CONV_STRIDES = (1, 1, 1, 2, 1, 1, 1)
@@ -50,6 +62,7 @@ PAPER_NEGATIVE_SLOPE = 0.01
 MLPERF_DROPOUT = 0.5
 MLPERF_NEGATIVE_SLOPE = 0.3
 MLPERF_BLOCKS = 5
+MLPERF_KERNEL = 2
 # Moving statistics decay of the optional batch norm (LBANN's 0.9): short CPU runs take only a
 # few hundred steps, too few for Keras's 0.99 to forget the initial (0, 1) statistics.
 BATCH_NORM_MOMENTUM = 0.9
@@ -129,15 +142,31 @@ def paper_pooled_blocks(input_size: int) -> tuple[bool, ...]:
     return tuple(pooled)
 
 
-def _paper(x, batch_norm: bool, dropout: float, outputs: int, input_size: int, gather_before_block=None):
-    conv, pool_layer, flatten = ks_layers.SpatialConv3D, ks_layers.SpatialAveragePooling3D, ks_layers.SpatialFlatten
+def _head_input(x, head: str, gathered: bool):
+    """The trunk's last volume as the dense head's input vector."""
+    if head in ("gap", "gap-bn"):
+        layer = keras.layers.GlobalAveragePooling3D if gathered else ks_layers.SpatialGlobalAveragePooling3D
+        x = layer(name="global_average")(x)
+        if head == "gap-bn":
+            # Statistics over the global batch (exact under any layout): each averaged
+            # feature is centred and scaled by its spread over samples.
+            x = ks_layers.SpatialBatchNormalization(momentum=BATCH_NORM_MOMENTUM, name="head_bn")(x)
+        return x
+    layer = keras.layers.Flatten if gathered else ks_layers.SpatialFlatten
+    return layer(name="flatten")(x)
+
+
+def _paper(x, batch_norm: bool, dropout: float, outputs: int, input_size: int, gather_before_block=None,
+           head: str = "flatten"):
+    conv, pool_layer = ks_layers.SpatialConv3D, ks_layers.SpatialAveragePooling3D
+    gathered = False
     for block, (filters, stride, pool) in enumerate(
         zip(PAPER_FILTERS, PAPER_CONV_STRIDES, paper_pooled_blocks(input_size)), start=1
     ):
         if block == gather_before_block:
             # Stop splitting: the rest of the trunk runs, replicated, on the whole volume.
             x = ks_layers.SpatialGather(name="gather")(x)
-            conv, pool_layer, flatten = keras.layers.Conv3D, keras.layers.AveragePooling3D, keras.layers.Flatten
+            conv, pool_layer, gathered = keras.layers.Conv3D, keras.layers.AveragePooling3D, True
         x = conv(
             filters,
             3,
@@ -152,7 +181,7 @@ def _paper(x, batch_norm: bool, dropout: float, outputs: int, input_size: int, g
         x = keras.layers.LeakyReLU(negative_slope=PAPER_NEGATIVE_SLOPE, name=f"block{block}_lrelu")(x)
         if pool:
             x = pool_layer(3, strides=2, padding="same", name=f"block{block}_pool")(x)
-    x = flatten(name="flatten")(x)
+    x = _head_input(x, head, gathered)
     x = keras.layers.Dropout(dropout, name="head_dropout1")(x)
     x = keras.layers.Dense(2048, name="head_dense1")(x)
     x = keras.layers.LeakyReLU(negative_slope=PAPER_NEGATIVE_SLOPE, name="head_lrelu1")(x)
@@ -163,14 +192,15 @@ def _paper(x, batch_norm: bool, dropout: float, outputs: int, input_size: int, g
     return keras.layers.Dense(outputs, name="head_output")(x)
 
 
-def _mlperf(x, batch_norm: bool, dropout: float, outputs: int):
+def _mlperf(x, batch_norm: bool, dropout: float, outputs: int, head: str = "flatten"):
     for block in range(1, MLPERF_BLOCKS + 1):
-        x = ks_layers.SpatialConv3D(32 * 2 ** (block - 1), 3, padding="same", name=f"block{block}_conv")(x)
+        x = ks_layers.SpatialConv3D(32 * 2 ** (block - 1), MLPERF_KERNEL, padding="same",
+                                    name=f"block{block}_conv")(x)
         if batch_norm:
             x = ks_layers.SpatialBatchNormalization(momentum=BATCH_NORM_MOMENTUM, name=f"block{block}_bn")(x)
         x = keras.layers.LeakyReLU(negative_slope=MLPERF_NEGATIVE_SLOPE, name=f"block{block}_lrelu")(x)
         x = ks_layers.SpatialMaxPooling3D(2, name=f"block{block}_pool")(x)
-    x = ks_layers.SpatialFlatten(name="flatten")(x)
+    x = _head_input(x, head, gathered=False)
     x = keras.layers.Dense(128, name="head_dense1")(x)
     x = keras.layers.LeakyReLU(negative_slope=MLPERF_NEGATIVE_SLOPE, name="head_lrelu1")(x)
     x = keras.layers.Dropout(dropout, name="head_dropout1")(x)
@@ -192,6 +222,7 @@ def build_model(
     gather_before_block: Optional[int] = None,
     input_mean=None,
     input_std=None,
+    head: str = "flatten",
 ) -> keras.Model:
     """The CosmoFlow network for a `input_size`^3 x `channels` volume.
 
@@ -203,7 +234,7 @@ def build_model(
         input_size: cubic extent W of one sample, an integer in [32, 512] (a multiple
             of 32 for "mlperf"). Defaults to 128.
         variant: "paper" (LBANN, 9.4 M parameters at every W) or "mlperf" (MLPerf HPC
-            reference). Defaults to "paper".
+            reference, 5.6 M parameters at 128^3). Defaults to "paper".
         channels: input channels (redshifts). Defaults to 4.
         batch_norm: put a `SpatialBatchNormalization` between every conv and its
             activation. Defaults to False.
@@ -221,6 +252,9 @@ def build_model(
             together with `input_std`. Defaults to None (no standardization).
         input_std: per-channel standard deviations (positive) the centred input is
             divided by. Defaults to None.
+        head: "flatten" (the variant's own: the last volume flattened into the dense
+            head), "gap" (its global average over the sample) or "gap-bn" (that average
+            batch-normalized). Defaults to "flatten".
 
     Returns:
         A functional `keras.Model` (uncompiled; the paper trains it with MSE and
@@ -246,6 +280,8 @@ def build_model(
             "`gather_before_block` must be a block number from 2 to 7 of the 'paper' variant. "
             f"Received: gather_before_block={gather_before_block!r}, variant={variant!r}"
         )
+    if head not in HEADS:
+        raise ValueError(f"`head` must be one of {HEADS}. Received: head={head!r}")
     if dropout is None:
         dropout = PAPER_DROPOUT if variant == "paper" else MLPERF_DROPOUT
     inputs = ks.Input((input_size,) * 3 + (channels,), name="universe")
@@ -256,7 +292,7 @@ def build_model(
         x = keras.layers.Normalization(axis=-1, mean=mean, variance=[v * v for v in std],
                                        name="input_standardization")(x)
     if variant == "paper":
-        y = _paper(x, bool(batch_norm), float(dropout), outputs, input_size, gather_before_block)
+        y = _paper(x, bool(batch_norm), float(dropout), outputs, input_size, gather_before_block, head)
     else:
-        y = _mlperf(x, bool(batch_norm), float(dropout), outputs)
+        y = _mlperf(x, bool(batch_norm), float(dropout), outputs, head)
     return keras.Model(inputs, y, name=name or f"cosmoflow_{variant}_{input_size}")

@@ -12,7 +12,9 @@ each, if given), and the model starts with a fixed per-channel standardization m
 the first training files (stored in the model). They are split in sorted file order: the
 first files train, the last `--validation-fraction` of them validate (the same split on
 every rank). The model (recipes.cosmoflow.model.build_model) is trained with MSE and Adam
-(`keras_spatial.FusedAdam`), its gradients averaged over the world; rank 0 writes
+(`keras_spatial.FusedAdam`) or the schedule of `--schedule` (recipes.cosmoflow.schedules),
+its gradients averaged over the world, optionally on universes transformed by random
+symmetries of the cube (`--augment`, done shard by shard by the input pipeline); rank 0 writes
 OUT/model.keras (every epoch), OUT/history.json and OUT/loss.png and prints the final
 validation MSE and MAE next to the MSE of always predicting the mean training label.
 """
@@ -25,6 +27,8 @@ import sys
 from typing import Optional, Sequence
 
 from recipes import cli
+from recipes.cosmoflow.model import HEADS
+from recipes.cosmoflow.schedules import MLPERF_TARGET_VAL_MAE, SCHEDULES
 from recipes.cli import validation_batch_size  # also importable from here, as before
 
 # Training universes read to measure the input standardization (per-channel mean, std).
@@ -62,6 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
                              "or smaller volumes at 128^3, so replicating them costs little "
                              "compute and saves their halo exchanges and gradient allreduce); "
                              "0 splits every block")
+    parser.add_argument("--head", choices=HEADS, default="flatten",
+                        help="input of the dense head: the last volume flattened (the variant's "
+                             "own, default), its global average ('gap'), or that average "
+                             "batch-normalized ('gap-bn')")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="constant",
+                        help="'constant': Adam at --learning-rate (default); 'warmup-cosine': "
+                             "Adam, linear warm-up over --warmup-epochs to --learning-rate, then "
+                             "cosine decay to 1%% of it; 'mlperf': MLPerf HPC's reference (SGD "
+                             "momentum 0.9, 0.001 x batch/64, 4 warm-up epochs, x0.25 and x0.125 "
+                             "at epochs 32 and 64 of 128, scaled to --epochs; --learning-rate "
+                             "is not used)")
+    parser.add_argument("--warmup-epochs", type=cli.non_negative_int("--warmup-epochs"), default=1,
+                        help="warm-up epochs of --schedule warmup-cosine (default 1)")
+    parser.add_argument("--augment", choices=("none", "flips", "cube"), default="none",
+                        help="transform every training universe by a random symmetry of the "
+                             "cube each epoch ('cube': the 48 rotations and reflections, "
+                             "'flips': the 8 reflections), read shard by shard; default none")
     parser.add_argument("--batch-norm", action="store_true",
                         help="batch normalization after every convolution (global statistics)")
     parser.add_argument("--dropout", type=cli.rate("--dropout"), default=None,
@@ -139,6 +160,7 @@ def run(args: argparse.Namespace) -> dict:
 
     import keras_spatial as ks
     from recipes.cosmoflow.model import build_model
+    from recipes.cosmoflow.schedules import make_optimizer
     if len(train_paths) < args.batch_size:
         raise cli.BadArgument(
             f"{len(train_paths)} training file(s) is fewer than one global batch "
@@ -169,8 +191,9 @@ def run(args: argparse.Namespace) -> dict:
 
     keras.utils.set_random_seed(args.seed)
     val_batch, exact = validation_batch_size(len(val_paths), args.batch_size, strategy.data_size)
+    augment = None if args.augment == "none" else args.augment
     train_ds = strategy.distribute_dataset(train_files, batch_size=args.batch_size, shuffle=True,
-                                           seed=args.seed, drop_remainder=True)
+                                           seed=args.seed, drop_remainder=True, augment=augment)
     val_ds = strategy.distribute_dataset(val_files, batch_size=val_batch, shuffle=False,
                                          drop_remainder=False)
     dropout = args.dropout
@@ -194,11 +217,15 @@ def run(args: argparse.Namespace) -> dict:
             model = build_model(size, variant=args.variant, channels=shape[3],
                                 batch_norm=args.batch_norm, dropout=dropout,
                                 input_mean=input_mean, input_std=input_std,
-                                gather_before_block=gather_before_block)
+                                gather_before_block=gather_before_block, head=args.head)
     except ValueError as error:
         raise cli.BadArgument(str(error)) from None
+    steps = len(train_paths) // args.batch_size
+    optimizer, optimizer_text = make_optimizer(
+        args.schedule, args.learning_rate, global_batch=args.batch_size, epochs=args.epochs,
+        steps_per_epoch=steps, warmup_epochs=args.warmup_epochs)
     model.compile(
-        optimizer=strategy.distribute_optimizer(ks.FusedAdam(args.learning_rate)),
+        optimizer=strategy.distribute_optimizer(optimizer),
         loss="mse",
         metrics=["mae"],
     )
@@ -211,7 +238,8 @@ def run(args: argparse.Namespace) -> dict:
             f"{strategy.data_size} data group(s); {args.variant} model at {size}^3 "
             f"({model.count_params():,} parameters); {len(train_paths)} training and "
             f"{len(val_paths)} validation universes; global batch {args.batch_size} "
-            f"(validation {val_batch}); {args.epochs} epoch(s) -> {out}",
+            f"(validation {val_batch}); {args.epochs} epoch(s); {optimizer_text}"
+            f"{'; augment ' + augment if augment else ''} -> {out}",
             flush=True,
         )
     strategy.barrier()
@@ -220,7 +248,6 @@ def run(args: argparse.Namespace) -> dict:
     hist, epoch_times, fit_seconds = cli.fit(model, strategy, train_ds, val_ds, args.epochs, model_path)
     strategy.barrier()
 
-    steps = len(train_paths) // args.batch_size
     summary = {}
     if rank0:
         train_labels = _read_labels(train_paths)
@@ -243,7 +270,8 @@ def run(args: argparse.Namespace) -> dict:
         config = {
             "data": os.path.abspath(data_dir), "size": size, "crop": args.crop,
             "input_mean": input_mean, "input_std": input_std, "variant": args.variant,
-            "dropout": dropout, "batch_norm": args.batch_norm,
+            "dropout": dropout, "batch_norm": args.batch_norm, "head": args.head,
+            "schedule": args.schedule, "optimizer": optimizer_text, "augment": augment,
             "gather_before_block": gather_before_block,
             **cli.run_config(args, strategy, val_batch, train_paths, val_paths, model),
         }
@@ -258,6 +286,9 @@ def run(args: argparse.Namespace) -> dict:
             + ("" if exact else "  (last validation batch repeats samples)"),
             flush=True,
         )
+        if args.schedule == "mlperf":
+            print(f"MLPerf HPC's target validation MAE: {MLPERF_TARGET_VAL_MAE} (its full data set "
+                  f"and 128 epochs); this run: {summary['final_val_mae']:.4f}", flush=True)
         print(f"fit took {fit_seconds:.1f} s; {per_step}", flush=True)
         print(f"wrote {model_path}, {record['outputs']['history']}, {record['outputs']['plot']}",
               flush=True)
