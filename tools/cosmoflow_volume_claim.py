@@ -107,25 +107,6 @@ def train(args, data: str, crop: int, out: str, env: dict) -> float:
     return time.perf_counter() - start
 
 
-def reference_features(paths, crops) -> tuple:
-    """Labels (N, 4) and {crop: {estimator: (N, F) features}} of the corner crops
-    (recipes.cosmoflow.references), with a progress bar."""
-    import h5py
-    import numpy as np
-    from tqdm import tqdm
-
-    from recipes.cosmoflow.references import ESTIMATORS, crop_features
-
-    labels, rows = [], []
-    for path in tqdm(paths, desc="reference features", unit="universe", mininterval=10):
-        with h5py.File(path, "r") as f:
-            counts = f["full"][:max(crops), :max(crops), :max(crops)]
-            labels.append(np.asarray(f["unitPar"][...], np.float64))
-        rows.append(crop_features(counts, crops))
-    return np.stack(labels), {c: {name: np.stack([r[c][name] for r in rows]) for name in ESTIMATORS}
-                              for c in crops}
-
-
 def predict_validation(model_path: str, paths, crop: int):
     import h5py
     import keras
@@ -231,13 +212,13 @@ def main(argv=None) -> int:
     print("[3/3] evaluating the saved models in one process; reference estimators", flush=True)
     import numpy as np
 
-    from recipes.cosmoflow.references import reference_scores
+    from recipes.cosmoflow.references import file_features, reference_scores
 
     train_paths = [os.path.join(subset, name) for name in train_files]
     val_paths = [os.path.join(subset, name) for name in val_files]
     reference_start = time.perf_counter()
-    train_y, train_features = reference_features(train_paths, args.crops)
-    val_y, val_features = reference_features(val_paths, args.crops)
+    train_y, train_features = file_features(train_paths, args.crops)
+    val_y, val_features = file_features(val_paths, args.crops)
     reference_seconds = time.perf_counter() - reference_start
     baseline = ((val_y - train_y.mean(axis=0)) ** 2).mean(axis=0)
     rows = []

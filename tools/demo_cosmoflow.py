@@ -56,30 +56,19 @@ def per_parameter_table(run_dir: str, config: dict) -> None:
     """Prints the validation MSE per parameter of the trained model (loaded in this one
     process) next to the reference estimators fitted on the training universes."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import h5py
-    import keras
     import numpy as np
 
     sys.path.insert(0, REPO_ROOT)
-    import keras_spatial  # noqa: F401  (registers the spatial classes)
-    from recipes.cosmoflow.references import ESTIMATORS, crop_features, reference_scores
+    from cosmoflow_volume_claim import predict_validation
+    from recipes.cosmoflow.references import file_features, reference_scores
 
     size = config["size"]
-
-    def load(names):
-        counts, labels = [], []
-        for name in names:
-            with h5py.File(os.path.join(config["data"], name), "r") as f:
-                counts.append(f["full"][:size, :size, :size])
-                labels.append(np.asarray(f["unitPar"][...], np.float64))
-        return counts, np.stack(labels)
-
-    (train_x, train_y), (val_x, val_y) = load(config["train_files"]), load(config["validation_files"])
-    features = [{k: np.stack([crop_features(x, [size])[size][k] for x in xs]) for k in ESTIMATORS}
-                for xs in (train_x, val_x)]
-    scores = reference_scores(features[0], train_y, features[1], val_y)
-    model = keras.saving.load_model(os.path.join(run_dir, "model.keras"), compile=False)
-    predicted = model.predict(np.log1p(np.stack(val_x).astype(np.float32)), batch_size=8, verbose=0)
+    train_paths, val_paths = ([os.path.join(config["data"], name) for name in config[key]]
+                              for key in ("train_files", "validation_files"))
+    train_y, train_features = file_features(train_paths, [size], progress=False)
+    val_y, val_features = file_features(val_paths, [size], progress=False)
+    scores = reference_scores(train_features[size], train_y, val_features[size], val_y)
+    predicted = predict_validation(os.path.join(run_dir, "model.keras"), val_paths, size)
     rows = {"model (CNN)": ((predicted - val_y) ** 2).mean(axis=0),
             "summary-stats fit": scores["summary_fit"],
             "power-spectrum fit": scores["power_spectrum_fit"],

@@ -178,6 +178,24 @@ def crop_features(counts: np.ndarray, crops: Sequence[int]) -> dict:
             for crop in crops}
 
 
+def file_features(paths: Sequence[str], crops: Sequence[int], progress: bool = True) -> tuple:
+    """Labels (N, 4) and {crop: {estimator name: (N, F) features}} of the corner crops of
+    the universe files `paths` (`full` counts, `unitPar` labels), each file read once."""
+    import h5py
+    from tqdm import tqdm
+
+    largest = max(crops)
+    labels, rows = [], []
+    for path in tqdm(paths, desc="reference features", unit="universe", mininterval=10,
+                     disable=not progress):
+        with h5py.File(path, "r") as f:
+            counts = f["full"][:largest, :largest, :largest]
+            labels.append(np.asarray(f["unitPar"][...], np.float64))
+        rows.append(crop_features(counts, crops))
+    return np.stack(labels), {c: {name: np.stack([r[c][name] for r in rows]) for name in ESTIMATORS}
+                              for c in crops}
+
+
 def reference_scores(train: dict, train_labels, validation: dict, validation_labels) -> dict:
     """{estimator name: per-parameter validation MSE} of ridge fits on the training set.
 
