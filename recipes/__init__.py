@@ -248,7 +248,7 @@ def run_jobs(
         numbered = list(enumerate(jobs))
         # "spawn", not the Linux default "fork": a process that has started threads
         # (TensorFlow, Horovod, a test runner that imported them) can fork a child that
-        # inherits a held lock and never runs (seen: a pytest session hung here).
+        # inherits a held lock and never runs (a pytest run hung so).
         with multiprocessing.get_context("spawn").Pool(min(int(workers), len(jobs))) as pool:
             calls = pool.imap_unordered(_NumberedCall(function), numbered, chunksize=1)
             for position, result in calls:

@@ -413,7 +413,7 @@ def add_optimizer_argument(parser) -> None:
         "--optimizer", choices=tuple(OPTIMIZERS), default="fused_adam",
         help="the update after the gradient average, in every configuration of the run: "
              "fused_adam (default: Keras's Adam with each variable's update compiled by XLA), adam "
-             "(keras.optimizers.Adam, as before the eighth session) or sgd",
+             "(keras.optimizers.Adam, updates not compiled) or sgd",
     )
 
 

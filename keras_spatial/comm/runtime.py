@@ -157,8 +157,8 @@ def bind_policy() -> str:
     them all the same CPUs, local rank i is bound to its own block of them (see
     `bind_to_local_share`). Measured on 2 cores, a spatial 2x1x1 CosmoFlow step whose
     2 ranks the scheduler may move between the cores was about 4% slower than with
-    each rank on its own core (steps alternated in one job; docs/benchmarks.md,
-    eleventh session). "none": leave the CPUs as the launcher set them.
+    each rank on its own core (steps alternated in one job; docs/benchmarks.md).
+    "none": leave the CPUs as the launcher set them.
 
     Raises:
         ValueError: for any other value.

@@ -39,8 +39,8 @@ class SpatialConv3D(SpatialWindowMixin, keras.layers.Conv3D):
       the taps that read its neighbours' planes are added in place to the boundary
       output planes afterwards. No extended copy of the shard is made, forward or
       backward. (The exchange does not overlap that convolution yet: TensorFlow's
-      executor runs the convolution before the send; docs/benchmarks.md, tenth
-      session.) The boundary outputs may differ from
+      executor runs the convolution before the send; docs/benchmarks.md.)
+      The boundary outputs may differ from
       `keras.layers.Conv3D` on the whole volume by float32 rounding (their sum is
       split in two); all other outputs are computed as TensorFlow computes them.
     - otherwise the shard is extended by its halo planes and zero padding and

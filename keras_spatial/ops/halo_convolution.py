@@ -121,7 +121,7 @@ def convolve_with_boundary_planes(x, before, after, kernel, spatial_axis: int) -
        the freshly computed output).
 
     Step 1 needs no received plane, so it could run while the exchange is in flight
-    (whether it does is up to the executor; docs/benchmarks.md, tenth session).
+    (whether it does is up to the executor; docs/benchmarks.md).
     The gradient is the same decomposition transposed: TensorFlow's own gradient
     kernels on `x` and on the received planes, nothing copied at the size of the
     shard. A boundary output is one sum split into two partial sums, so it may differ
