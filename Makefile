@@ -4,6 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
+# oneDNN's CPU kernels: TensorFlow turns them on only on CPUs with AVX-512 VNNI, BF16 or
+# AMX, yet its 3D convolutions are about 3x faster than the default ones on AVX2 CPUs too.
+export TF_ENABLE_ONEDNN_OPTS ?= 1
+
 HOROVODRUN := $(VENV)/bin/horovodrun --gloo -np 2 -H localhost:2
 
 .PHONY: venv test test-fast demo demo-layers claim bench bench-halo bench-latency bench-interference profile clean

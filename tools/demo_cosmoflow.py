@@ -32,10 +32,12 @@ STARTUP_NOISE = ("oneDNN custom operations are on", "All log messages before abs
 
 
 def job_environment() -> dict:
-    """This environment with the repository on PYTHONPATH, TensorFlow's logging quiet and
-    one OpenMP thread per process (for the writer and the training job)."""
+    """This environment with the repository on PYTHONPATH, TensorFlow's logging quiet,
+    oneDNN's CPU kernels (unless the caller chose) and one OpenMP thread per process (for
+    the writer and the training job)."""
     env = dict(os.environ)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
     return env
