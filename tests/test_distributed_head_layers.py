@@ -7,6 +7,7 @@ means |spatial - keras| <= 1e-5 + 1e-5 |keras| everywhere.
 
 import pytest
 
+from tests.comparison import failures
 from tests.distributed.head_workers import BN_CASES, REPLICATED_CASES, run_head_suite
 from tests.distributed.launcher import horovod_or_skip, run_on_ranks
 
@@ -50,7 +51,7 @@ def _params(kind):
 
 
 def _failures(result):
-    return {k: v for k, v in result.items() if isinstance(v, float) and v > 0}
+    return failures(result)
 
 
 @pytest.mark.parametrize("np_,shape,case,graph", list(_params(REPLICATED_CASES)))

@@ -7,6 +7,7 @@ the numbers each rank returned. A value <= 0 means |spatial - keras| <= 1e-5 +
 
 import pytest
 
+from tests.comparison import failures
 from tests.distributed.launcher import horovod_or_skip, run_on_ranks
 from tests.distributed.unet_workers import EAGER_CASES, GLOBAL_EXTENTS, LAYER_CASES, run_suite
 
@@ -63,8 +64,8 @@ def _assert_within_tolerance(per_rank, key):
         }
         assert "input_grad" in numbers
         assert sum(k.startswith("grad_") for k in numbers) == r["weights_compared"]
-        failures = {k: v for k, v in numbers.items() if v > 0}
-        assert not failures, f"rank {rank}: {failures}"
+        bad = failures(numbers)
+        assert not bad, f"rank {rank}: {bad}"
 
 
 @pytest.mark.parametrize("np_,shape,name,graph", list(_params("layer")))

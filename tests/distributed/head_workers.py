@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from tests.distributed.launcher import worker_setup
-from tests.distributed.layer_workers import excess
+from tests.comparison import excess
 
 EXTENTS = (8, 6, 4)  # divisible by every mesh used: (2,1,1), (1,2,1), (1,2,2)
 CHANNELS = 3

@@ -10,18 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.comparison import excess
 from tests.distributed.layer_cases import Case, choose_extents
 from tests.distributed.launcher import worker_setup
-
-RTOL = ATOL = 1e-5
-
-
-def excess(actual, expected) -> float:
-    """max(|a - b| - (atol + rtol |b|)); <= 0 means within tolerance."""
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    if actual.shape != expected.shape:
-        return float("inf")
-    return float(np.max(np.abs(actual - expected) - (ATOL + RTOL * np.abs(expected))))
 
 
 def outputs_and_grads(layer, x):

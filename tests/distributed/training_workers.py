@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from tests.comparison import excess
 from tests.distributed.launcher import worker_setup
 
 RTOL = ATOL = 1e-4  # weights after several optimizer steps (issue 3's acceptance)
@@ -127,9 +128,7 @@ def _data(strategy, global_shape, steps, per_group, seed, model_kind="voxel"):
 
 
 def _excess(actual, expected) -> float:
-    return max(
-        float(np.max(np.abs(a - b) - (ATOL + RTOL * np.abs(b)))) for a, b in zip(actual, expected)
-    )
+    return max(excess(a, b, RTOL, ATOL) for a, b in zip(actual, expected))
 
 
 def fit_and_compare(strategy, optimizer_kind="adam", steps=5, per_group=2, size=8, model_kind="voxel") -> dict:

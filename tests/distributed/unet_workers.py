@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from tests.distributed.launcher import worker_setup
-from tests.distributed.layer_workers import excess
+from tests.comparison import excess
 
 
 @dataclasses.dataclass(frozen=True)
