@@ -7,6 +7,9 @@ import numbers
 import keras
 import numpy as np
 
+from keras_spatial.optimizer import DistributedOptimizer
+from keras_spatial.plan import replicated_layers
+
 # Callbacks that write files: only rank 0 keeps them (see `rank_zero_callbacks`).
 WRITING_CALLBACKS = (
     keras.callbacks.ModelCheckpoint,
@@ -111,9 +114,6 @@ class ReplicatedLayerSync(keras.callbacks.Callback):
         self.strategy = strategy
 
     def on_train_begin(self, logs=None):
-        from keras_spatial.optimizer import DistributedOptimizer
-        from keras_spatial.plan import replicated_layers
-
         if self.strategy.size == 1 or self.strategy.spatial_size == 1 or self.model is None:
             return
         layers = replicated_layers(self.model, self.strategy)

@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 from keras_spatial import comm
+from keras_spatial.context import get_strategy
 
 
 @keras.saving.register_keras_serializable(package="keras_spatial")
@@ -82,8 +83,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._replicated_ids = frozenset(id(v) for v in variables)
 
     def _world(self):
-        from keras_spatial.strategy import get_strategy
-
         strategy = get_strategy()
         return strategy if strategy is not None and strategy.size > 1 else None
 

@@ -9,10 +9,19 @@ import keras
 import tensorflow as tf
 
 from keras_spatial import comm
+from keras_spatial import context
+from keras_spatial.callbacks import MetricAverage
+from keras_spatial.callbacks import ReplicatedLayerSync
+from keras_spatial.callbacks import rank_zero_callbacks
+from keras_spatial.context import get_strategy
+from keras_spatial.data.pipeline import distribute_dataset
 from keras_spatial.mesh import Mesh
+from keras_spatial.ops.gather import gather_volume
+from keras_spatial.optimizer import DistributedOptimizer
+from keras_spatial.optimizer import broadcast_variables
+from keras_spatial.plan import summary
 
-_scope_stack: list["SpatialStrategy"] = []
-_latest: Optional["SpatialStrategy"] = None
+__all__ = ["SpatialStrategy", "get_strategy"]
 
 
 def _product(values: Sequence[int]) -> int:
@@ -20,17 +29,6 @@ def _product(values: Sequence[int]) -> int:
     for value in values:
         result *= int(value)
     return max(result, 1)
-
-
-def get_strategy() -> Optional["SpatialStrategy"]:
-    """The strategy layers use: the innermost `scope()`, else the latest one created.
-
-    Returns None when no strategy exists; spatial layers then behave exactly like their
-    Keras parents (a saved model loaded in one process is an ordinary model).
-    """
-    if _scope_stack:
-        return _scope_stack[-1]
-    return _latest
 
 
 class SpatialStrategy:
@@ -65,7 +63,6 @@ class SpatialStrategy:
     """
 
     def __init__(self, spatial_shape: Sequence[int] = (1, 1, 1)):
-        global _latest
         if comm.launched_by_horovod():
             if not comm.available():
                 raise ImportError(
@@ -84,7 +81,7 @@ class SpatialStrategy:
         if rank != 0:
             # Progress bars and Keras's printed logs on rank 0 only.
             keras.config.disable_interactive_logging()
-        _latest = self
+        context.set_latest(self)
 
     @staticmethod
     def _set_of(ranks: Sequence[int]) -> Any:
@@ -156,11 +153,11 @@ class SpatialStrategy:
     @contextlib.contextmanager
     def scope(self) -> Iterator["SpatialStrategy"]:
         """Make this strategy the one layers and `keras_spatial.Input` use."""
-        _scope_stack.append(self)
+        context.push_scope(self)
         try:
             yield self
         finally:
-            _scope_stack.pop()
+            context.pop_scope()
 
     # Shapes -----------------------------------------------------------------------
     def local_shape(self, global_shape: Sequence[Optional[int]]) -> tuple:
@@ -213,8 +210,6 @@ class SpatialStrategy:
         Differentiable: the gradient is summed over the spatial group and each rank
         keeps its own slice (DESIGN.md, "Gradient rule").
         """
-        from keras_spatial.ops.gather import gather_volume
-
         return gather_volume(tf.convert_to_tensor(tensor), self)
 
     def allreduce(self, value: Any, op: str = "sum", group: str = "world") -> tf.Tensor:
@@ -252,8 +247,6 @@ class SpatialStrategy:
 
         See `keras_spatial.optimizer.DistributedOptimizer`.
         """
-        from keras_spatial.optimizer import DistributedOptimizer
-
         return DistributedOptimizer(optimizer)
 
     def callbacks(self, *callbacks) -> list:
@@ -273,31 +266,21 @@ class SpatialStrategy:
             keras.callbacks.EarlyStopping(patience=2)))
         ```
         """
-        from keras_spatial.callbacks import MetricAverage
-        from keras_spatial.callbacks import ReplicatedLayerSync
-        from keras_spatial.callbacks import rank_zero_callbacks
-
         return [MetricAverage(self), ReplicatedLayerSync(self)] + rank_zero_callbacks(
             callbacks, self.rank
         )
 
     def broadcast_variables(self, variables, root: int = 0) -> None:
         """Give every rank rank `root`'s values of `variables` (e.g. `model.variables`)."""
-        from keras_spatial.optimizer import broadcast_variables
-
         broadcast_variables(variables, self, root)
 
     def summary(self, model, print_fn=print) -> list:
         """Print the layout plan of `model` on this mesh; see `keras_spatial.plan`."""
-        from keras_spatial.plan import summary
-
         return summary(model, self, print_fn=print_fn)
 
     def distribute_dataset(self, dataset, batch_size: int, **kwargs):
         """A `tf.data.Dataset` of this rank's shards; see
         `keras_spatial.data.distribute_dataset` for the arguments."""
-        from keras_spatial.data.pipeline import distribute_dataset
-
         return distribute_dataset(self, dataset, batch_size, **kwargs)
 
     def __repr__(self) -> str:

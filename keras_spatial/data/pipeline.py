@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 import numpy as np
 import tensorflow as tf
 
+from keras_spatial import comm
 from keras_spatial.data import augment as augmentation
 from keras_spatial.data import order
 from keras_spatial.data.errors import InvalidDataError
@@ -62,7 +63,6 @@ def _check_ranks_agree(settings: tuple) -> None:
     All ranks take part in one allgather and compare the same list, so they all
     raise (or all pass) together; none is left waiting in a later collective.
     """
-    from keras_spatial import comm
 
     every_rank = comm.allgather_object(settings, name="keras_spatial.data.agree")
     differing = [rank for rank, other in enumerate(every_rank) if other != every_rank[0]]

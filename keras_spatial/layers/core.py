@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_spatial.strategy import get_strategy
+from keras_spatial.context import get_strategy
 
 
 @keras.saving.register_keras_serializable(package="keras_spatial")

@@ -5,7 +5,7 @@ import tensorflow as tf
 
 from keras_spatial import comm
 from keras_spatial.errors import SpatialNotSupportedError
-from keras_spatial.strategy import get_strategy
+from keras_spatial.context import get_strategy
 
 
 @keras.saving.register_keras_serializable(package="keras_spatial")

@@ -6,7 +6,7 @@ from keras_spatial.errors import SpatialNotSupportedError
 from keras_spatial.halo import AxisPlan, ShardAlignmentError, Window, plan_axis
 from keras_spatial.mesh import SPATIAL_AXES
 from keras_spatial.ops.halo_exchange import HaloParts, exchange_halos
-from keras_spatial.strategy import get_strategy
+from keras_spatial.context import get_strategy
 
 
 def active_spatial_strategy():
