@@ -69,13 +69,6 @@ _VOXEL_MIXING_KERAS_LAYERS = (
 )
 
 
-class _MeshView:
-    """What `SpatialWindowMixin._axis_plans` reads from a strategy: its spatial shape."""
-
-    def __init__(self, spatial_shape: tuple[int, int, int]):
-        self.spatial_shape = spatial_shape
-
-
 def _tensors(value: Any) -> list:
     return list(keras.tree.flatten(value))
 
@@ -160,16 +153,15 @@ def _global_shapes(model: keras.Model, spatial_shape: Sequence[int], is_local: b
 
 def _rows(model, shapes, sharded, mesh: Mesh, rank: int, batch_size: int, bytes_per_element: int) -> list[dict]:
     coords = mesh.coords(rank)
-    view = _MeshView(mesh.spatial_shape)
     rows = []
     for layer in model.layers:
         inputs, outputs = _layer_inputs(layer), _layer_outputs(layer)
         halo = padding = None
-        windowed = isinstance(layer, SpatialWindowMixin) and not getattr(layer, "_blockwise", False)
+        windowed = isinstance(layer, SpatialWindowMixin) and layer.exchanges_halos
         if windowed and inputs and id(inputs[0]) in sharded:
             global_in = shapes[id(inputs[0])]
             local_in = (None,) + mesh.local_extents(global_in[:3]) + global_in[3:]
-            plans = layer._axis_plans(view, local_in)  # raises the layer's own ValueError
+            plans = layer.axis_plans(mesh.spatial_shape, local_in)  # raises the layer's own ValueError
             halo, padding = [], []
             for plan, shard in zip(plans, coords):
                 (i0, i1), (n0, n1) = plan.owned[shard], plan.needed[shard]

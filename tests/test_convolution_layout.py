@@ -4,7 +4,7 @@ extended copy of the shard. Pure geometry: no ranks, no Horovod. The numbers the
 are checked against plain Keras on 2, 4 and 8 ranks in test_distributed_layers.py."""
 
 from keras_spatial.halo import Window, plan_axis
-from keras_spatial.layers.convolutional import _boundary_plane_axis
+from keras_spatial.ops.halo_convolution import boundary_plane_axis
 
 
 def _axis(global_extents, spatial_shape, kernel=3, strides=1, dilation=1, padding="same", groups=1):
@@ -14,7 +14,7 @@ def _axis(global_extents, spatial_shape, kernel=3, strides=1, dilation=1, paddin
         for extent, shards, k, s, d in zip(global_extents, spatial_shape, kernel, strides, dilation)
     )
     local = tuple(extent // shards for extent, shards in zip(global_extents, spatial_shape))
-    return _boundary_plane_axis(plans, kernel, strides, dilation, padding, groups, local)
+    return boundary_plane_axis(plans, kernel, strides, dilation, padding, groups, local)
 
 
 def test_same_stride_one_on_one_split_axis_uses_the_boundary_planes():

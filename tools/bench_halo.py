@@ -50,7 +50,7 @@ def bench_layer(strategy, size: int, channels_in: int, filters: int, repeats: in
     x_local = tf.constant(
         np.random.default_rng(0).standard_normal(strategy.local_shape(x_global_shape)).astype("float32")
     )
-    plans = layer._axis_plans(strategy, x_local.shape)
+    plans = layer.axis_plans(strategy.spatial_shape, x_local.shape)
 
     halo = tf.function(lambda x: layer._extend(x, strategy, plans, 0.0))
     extended = halo(x_local)

@@ -6,9 +6,9 @@ from keras import ops
 
 from keras_spatial.halo import Window
 from keras_spatial.ops.halo_convolution import (
+    boundary_plane_axis,
     convolve_halo_parts,
     convolve_with_boundary_planes,
-    same_padding,
 )
 from keras_spatial.ops.halo_exchange import exchange_axis
 from keras_spatial.layers.spatial_window import (
@@ -83,8 +83,8 @@ class SpatialConv3D(SpatialWindowMixin, keras.layers.Conv3D):
         strategy = active_spatial_strategy()
         if strategy is None:
             return super().convolution_op(inputs, kernel)
-        plans = self._axis_plans(strategy, inputs.shape)
-        axis = _boundary_plane_axis(
+        plans = self.axis_plans(strategy.spatial_shape, inputs.shape)
+        axis = boundary_plane_axis(
             plans, self.kernel_size, self.strides, self.dilation_rate, self.padding,
             self.groups, inputs.shape[1:4],
         )
@@ -120,31 +120,3 @@ class SpatialConv3D(SpatialWindowMixin, keras.layers.Conv3D):
             return super().compute_output_shape(input_shape)
         return self._spatial_output_shape(strategy, input_shape, self.filters)
 
-
-def _boundary_plane_axis(plans, kernel_size, strides, dilation_rate, padding, groups, local_extents):
-    """The one exchanging axis if `convolve_with_boundary_planes` gives the layer's
-    output on every rank, else None (the extended-shard path).
-
-    It does for 'same' padding, stride 1, no dilation, one group, halos exchanged along
-    one axis only, and along that axis at least one plane on each side (so every shard
-    receives something) and no more than a shard holds. Every shard's needed interval
-    must then be its own one widened by TensorFlow's 'same' padding, on every axis.
-    """
-    if (
-        padding != "same"
-        or groups != 1
-        or any(rate != 1 for rate in dilation_rate)
-        or any(stride != 1 for stride in strides)
-    ):
-        return None
-    exchanging = [axis for axis, plan in enumerate(plans) if plan.exchanges]
-    if len(exchanging) != 1:
-        return None
-    axis = exchanging[0]
-    halo = same_padding(kernel_size[axis])
-    if min(halo) < 1 or max(halo) > local_extents[axis]:
-        return None
-    for plan, size in zip(plans, kernel_size):
-        if any(plan.halo(shard) != same_padding(size) for shard in range(plan.shards)):
-            return None
-    return axis

@@ -113,9 +113,11 @@ class SpatialConv3DTranspose(SpatialWindowMixin, keras.layers.Conv3DTranspose):
         _check_supported(self)
 
     @property
-    def _blockwise(self):
-        """Whether every input voxel maps to its own output block (kernel == strides)."""
-        return self.kernel_size == self.strides
+    def exchanges_halos(self) -> bool:
+        """False when every input voxel maps to its own output block (kernel ==
+        strides): the shard's transposed convolution is then the shard of the whole
+        volume's, with no halo."""
+        return self.kernel_size != self.strides
 
     def _windows(self):
         # The equivalent convolution: stride 1, 'same', odd kernel.
@@ -123,11 +125,11 @@ class SpatialConv3DTranspose(SpatialWindowMixin, keras.layers.Conv3DTranspose):
 
     def call(self, inputs):
         strategy = active_spatial_strategy()
-        if strategy is None or self._blockwise:
+        if strategy is None or not self.exchanges_halos:
             # Blockwise: the transposed convolution of a shard is the shard of the
             # transposed convolution of the volume.
             return super().call(inputs)
-        plans = self._axis_plans(strategy, inputs.shape)
+        plans = self.axis_plans(strategy.spatial_shape, inputs.shape)
         extended = self._extend(inputs, strategy, plans, fill_value=0.0)
         outputs = ops.conv(
             extended,
@@ -144,6 +146,6 @@ class SpatialConv3DTranspose(SpatialWindowMixin, keras.layers.Conv3DTranspose):
 
     def compute_output_shape(self, input_shape):
         strategy = active_spatial_strategy()
-        if strategy is None or self._blockwise:
+        if strategy is None or not self.exchanges_halos:
             return super().compute_output_shape(input_shape)
         return self._spatial_output_shape(strategy, input_shape, self.filters)

@@ -41,7 +41,23 @@ class SpatialWindowMixin:
     def _windows(self) -> tuple[Window, Window, Window]:
         raise NotImplementedError
 
-    def _axis_plans(self, strategy, input_shape) -> tuple[AxisPlan, ...]:
+    @property
+    def exchanges_halos(self) -> bool:
+        """Whether the layer's split needs halos at all (False where every input voxel
+        maps to its own output block, as for a transposed convolution with kernel ==
+        strides)."""
+        return True
+
+    def axis_plans(self, spatial_shape, input_shape) -> tuple[AxisPlan, ...]:
+        """The halo plan of each spatial axis (`keras_spatial.halo.AxisPlan`) for a
+        LOCAL `input_shape` on a mesh that splits samples `spatial_shape` ways.
+
+        Raises:
+            ValueError: if the shape is not 5D, an extent is unknown, or an axis's
+                global output extent cannot be split evenly over its shards (the
+                message names layer, axis, extents and mesh).
+        """
+        spatial_shape = tuple(spatial_shape)
         if len(input_shape) != 5:
             raise ValueError(
                 f"{type(self).__name__} expects 5D inputs (batch, depth, height, width, "
@@ -49,7 +65,7 @@ class SpatialWindowMixin:
             )
         plans = []
         for axis, (window, local, shards) in enumerate(
-            zip(self._windows(), input_shape[1:4], strategy.spatial_shape)
+            zip(self._windows(), input_shape[1:4], spatial_shape)
         ):
             if local is None:
                 raise ValueError(
@@ -68,12 +84,12 @@ class SpatialWindowMixin:
                     f"global_input_extent={global_extent}, "
                     f"global_output_extent={window.output_extent(global_extent)}, "
                     f"local_input_extent={local}, shards={shards}, "
-                    f"spatial_shape={strategy.spatial_shape}"
+                    f"spatial_shape={spatial_shape}"
                 ) from None
         return tuple(plans)
 
     def _spatial_output_shape(self, strategy, input_shape, channels):
-        plans = self._axis_plans(strategy, input_shape)
+        plans = self.axis_plans(strategy.spatial_shape, input_shape)
         return (input_shape[0],) + tuple(p.local_output_extent for p in plans) + (channels,)
 
     def _exchange(self, inputs, strategy, plans, fill_value) -> HaloParts:

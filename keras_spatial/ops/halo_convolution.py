@@ -223,3 +223,35 @@ def convolve_with_boundary_planes(x, before, after, kernel, spatial_axis: int) -
         return outputs, gradient
 
     return convolve(x, tf.convert_to_tensor(kernel), *[side[0] for side in sides])
+
+
+def boundary_plane_axis(plans, kernel_size, strides, dilation_rate, padding, groups, local_extents):
+    """The one exchanging axis if `convolve_with_boundary_planes` gives a Conv3D's
+    output on every rank, else None (convolve the extended shard instead).
+
+    `plans` are the layer's `keras_spatial.halo.AxisPlan`s; the other arguments are
+    the Conv3D's attributes and the local (shard) extents.
+
+    It does for 'same' padding, stride 1, no dilation, one group, halos exchanged along
+    one axis only, and along that axis at least one plane on each side (so every shard
+    receives something) and no more than a shard holds. Every shard's needed interval
+    must then be its own one widened by TensorFlow's 'same' padding, on every axis.
+    """
+    if (
+        padding != "same"
+        or groups != 1
+        or any(rate != 1 for rate in dilation_rate)
+        or any(stride != 1 for stride in strides)
+    ):
+        return None
+    exchanging = [axis for axis, plan in enumerate(plans) if plan.exchanges]
+    if len(exchanging) != 1:
+        return None
+    axis = exchanging[0]
+    halo = same_padding(kernel_size[axis])
+    if min(halo) < 1 or max(halo) > local_extents[axis]:
+        return None
+    for plan, size in zip(plans, kernel_size):
+        if any(plan.halo(shard) != same_padding(size) for shard in range(plan.shards)):
+            return None
+    return axis

@@ -30,7 +30,8 @@ def _from_front(x: tf.Tensor, axis: int) -> tf.Tensor:
     return tf.transpose(x, perm)
 
 
-def _slice_axis(x: tf.Tensor, axis: int, start: int, stop: int) -> tf.Tensor:
+def slice_axis(x: tf.Tensor, axis: int, start: int, stop: int) -> tf.Tensor:
+    """x[start:stop] along tensor axis `axis` (0 is the batch), with static sizes."""
     begin = [0] * x.shape.rank
     size = [-1] * x.shape.rank
     begin[axis], size[axis] = start, stop - start
@@ -94,16 +95,16 @@ def exchange_axis(
         send_splits.append(0 if sent is None else sent[1] - sent[0])
         recv_splits.append(0 if got is None else got[1] - got[0])
         if sent is not None:
-            chunks.append(_slice_axis(x, axis, sent[0] - own_start, sent[1] - own_start))
+            chunks.append(slice_axis(x, axis, sent[0] - own_start, sent[1] - own_start))
         if got is not None:
             sources.append(peer)
     if chunks:
         buffer = tf.concat([_to_front(c, axis) for c in chunks], axis=0)
     elif empty_from is None:  # this rank sends nothing: an empty buffer of the right shape
-        buffer = _to_front(_slice_axis(x, axis, 0, 0), axis)
+        buffer = _to_front(slice_axis(x, axis, 0, 0), axis)
     else:
         front_shape = [0] + [x.shape[a] for a in range(x.shape.rank) if a != axis]
-        buffer = tf.reshape(_slice_axis(empty_from, axis, 0, 0), front_shape)
+        buffer = tf.reshape(slice_axis(empty_from, axis, 0, 0), front_shape)
     received = comm.alltoall(
         buffer, send_splits, recv_splits, process_set,
         name=f"{name}_{SPATIAL_AXES[spatial_axis]}", after=[x],
@@ -144,7 +145,7 @@ def _assemble_axis(x, before, after, spatial_axis, plan, me, fill_value) -> tf.T
     if kept == plan.owned[me]:
         middle = [x]
     elif kept is not None:
-        middle = [_slice_axis(x, axis, kept[0] - own_start, kept[1] - own_start)]
+        middle = [slice_axis(x, axis, kept[0] - own_start, kept[1] - own_start)]
     else:
         middle = []
     pad_before, pad_after = plan.padding_before(me), plan.padding_after(me)
@@ -209,7 +210,7 @@ def exchange_halos(
         if kept != owned:
             crop = (spatial_axis + 1, kept[0] - owned[0], kept[1] - owned[0])
             if spatial_axis < last:
-                x = _slice_axis(x, *crop)
+                x = slice_axis(x, *crop)
             else:
                 crops.append(crop)
         paddings[spatial_axis + 1] = [plan.padding_before(me), plan.padding_after(me)]
@@ -222,7 +223,7 @@ def exchange_halos(
                 shard, planes[:received], planes[received:], last, plans[last], coords[last], fill_value
             )
         for crop in crops:
-            extended = _slice_axis(extended, *crop)
+            extended = slice_axis(extended, *crop)
         if any(pad_before or pad_after for pad_before, pad_after in paddings):
             extended = tf.pad(extended, paddings, constant_values=tf.constant(fill_value, extended.dtype))
         return extended
