@@ -14,7 +14,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     """Wraps a Keras optimizer for hybrid data x spatial training over Horovod.
 
     Before every update, the gradients of all ranks are averaged over the whole world
-    in one fused (grouped) allreduce — the gradient rule of DESIGN.md, which makes the
+    in one fused (grouped) allreduce — the gradient rule of docs/design.md, which makes the
     update exactly the one a single device would compute from the global batch. When
     the optimizer is built (before the first step of `model.fit`), the variables it will
     train are broadcast from rank 0, so every rank starts from the same weights; as

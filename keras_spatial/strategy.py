@@ -208,7 +208,7 @@ class SpatialStrategy:
         """The whole volume from the local shards, on every rank of the spatial group.
 
         Differentiable: the gradient is summed over the spatial group and each rank
-        keeps its own slice (DESIGN.md, "Gradient rule").
+        keeps its own slice (docs/design.md, "Gradient rule").
         """
         return gather_volume(tf.convert_to_tensor(tensor), self)
 

@@ -146,7 +146,9 @@ def test_to_keras_model_is_the_same_model(variant):
         assert np.all(np.abs(plain(x, training=False)) <= 1.2)
 
 
-def test_forward_activation_memory_matches_science_md():
+def test_paper_model_forward_activation_memory_at_128_is_about_0_38_gib():
+    """The layout plan counts about 0.38 GiB of forward layer outputs for one 128^3 x 4
+    sample of the paper's network in float32 (docs/science.md, "Memory")."""
     rows = plan_for_mesh(lambda: build_model(128), (1, 1, 1))
     assert sum(row["bytes"] for row in rows) / 2**30 == pytest.approx(0.38, abs=0.005)
 

@@ -46,7 +46,7 @@ def segmentation_dir(tmp_path_factory):
 
 # build_model -------------------------------------------------------------------------
 def test_paper_configuration_has_about_19_million_parameters():
-    model = build_model(32)  # depth 3, base filters 32: SCIENCE.md's network
+    model = build_model(32)  # depth 3, base filters 32: the paper's network (docs/science.md)
     assert model.count_params() == PAPER_PARAMS
     assert build_model(32, batch_norm=False).count_params() == PAPER_PARAMS_NO_BN
     assert abs(PAPER_PARAMS - 19e6) / 19e6 < 0.01

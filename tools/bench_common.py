@@ -211,7 +211,7 @@ def ru_maxrss_kib() -> int:
 
 # Models -----------------------------------------------------------------------------------
 def build_unet(size: int, base_filters: int, batch_norm: bool = True):
-    """A 3D U-Net with the paper's structure (SCIENCE.md) and `base_filters` in place of 32.
+    """A 3D U-Net with the paper's structure (docs/science.md) and `base_filters` in place of 32.
 
     Encoder levels: two [SpatialConv3D 3^3 'same' (no bias) -> SpatialBatchNormalization ->
     ReLU] of (b, 2b), (2b, 4b), (4b, 8b) filters, each followed by a 2^3 max pool; bottom
@@ -426,7 +426,7 @@ def make_training_step(strategy, spec: dict, optimizer_name: str, seed: int) -> 
 
     The step: forward with training=True, MSE against a random target (CosmoFlow: 4
     parameters, replicated; U-Net: per voxel of the local shard, mean over local voxels,
-    which the gradient rule of DESIGN.md makes the global mean), gradients of the
+    which the gradient rule of docs/design.md makes the global mean), gradients of the
     trainable variables, `optimizer.apply` (one fused world allreduce of the gradients
     when the world has several ranks, then the update).
     """

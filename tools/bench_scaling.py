@@ -45,7 +45,7 @@ several configurations instead of all the rounds of one. A row gives the round w
 median step and the range over the rounds; the target verdicts use the medians and also
 say, round by round, how often the target was met. One round is not enough on a shared
 2-core machine: in seven single runs of the same CosmoFlow 128^3 configurations, the
-2x1x1 speedup ranged from 1.55 to 1.86 (docs/benchmarks.md, twelfth session).
+2x1x1 speedup ranged from 1.55 to 1.86 (docs/benchmarks.md, "Run-to-run variation").
 """
 
 from __future__ import annotations
@@ -104,8 +104,10 @@ def _halo_exchange_fn(strategy, model, seed: int):
     import numpy as np
     import tensorflow as tf
 
-    from keras_spatial.layers.convolutional import SpatialConv3D, _boundary_plane_axis
-    from keras_spatial.layers.pooling import SpatialMaxPooling3D, _boundary_layout
+    from keras_spatial.layers.convolutional import SpatialConv3D
+    from keras_spatial.layers.pooling import SpatialMaxPooling3D
+    from keras_spatial.ops.halo_convolution import boundary_plane_axis
+    from keras_spatial.ops.halo_pooling import in_place_layout
     from keras_spatial.layers.spatial_window import SpatialWindowMixin
     from keras_spatial.ops.halo_exchange import exchange_axis, extend_to_halo
 
@@ -114,16 +116,16 @@ def _halo_exchange_fn(strategy, model, seed: int):
     # an in-place pool's planes are exchanged, whether the layer receives planes at all).
     layers, inputs, upstream = [], [], []
     for layer in model.layers:
-        if not isinstance(layer, SpatialWindowMixin) or getattr(layer, "_blockwise", False):
+        if not isinstance(layer, SpatialWindowMixin) or not layer.exchanges_halos:
             continue
         shape = (1,) + tuple(layer.input.shape[1:])
-        plans = layer._axis_plans(strategy, shape)
+        plans = layer.axis_plans(strategy.spatial_shape, shape)
         is_max = isinstance(layer, SpatialMaxPooling3D)
         in_place = None
         if hasattr(layer, "pool_size"):
-            in_place = _boundary_layout(plans, strategy.coords, "max" if is_max else "average")
+            in_place = in_place_layout(plans, strategy.coords, "max" if is_max else "average")
         elif isinstance(layer, SpatialConv3D):
-            axis = _boundary_plane_axis(plans, layer.kernel_size, layer.strides, layer.dilation_rate,
+            axis = boundary_plane_axis(plans, layer.kernel_size, layer.strides, layer.dilation_rate,
                                         layer.padding, layer.groups, shape[1:4])
             if axis is not None:  # convolved where it lies: only the planes are exchanged
                 layers.append((plans, axis, True, True))
@@ -193,9 +195,9 @@ def _halo_exchange_fn(strategy, model, seed: int):
                                                  output_gradients=after(token, g))
             token = read(grads[index])
         # Every result is an output, so that every rank runs every collective. A read of a
-        # corner of each (an earlier version) let Grappler drop the collectives whose
+        # corner of each instead would let Grappler drop the collectives whose
         # corner lay outside the received planes or whose received block is statically
-        # empty, differently on each rank, and a rank then waited for ever.
+        # empty, differently on each rank, and a rank would then wait for ever.
         return extended + grads
 
     def run():

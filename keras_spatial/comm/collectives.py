@@ -5,7 +5,7 @@ name, and names that TensorFlow derives from input tensors can differ between ra
 local graphs differ (a shard that crops, a shard that pads), so callers name ops after the
 layer and purpose; TensorFlow's own uniquifying keeps repeated calls apart in one graph.
 Each op's gradient is written beside it, named after the op, as the adjoint of the
-forward operation (DESIGN.md, "Gradient rule").
+forward operation (docs/design.md, "Gradient rule").
 
 Collectives created by a gradient function need more care, because automatic
 differentiation visits a model's ops in an order that depends on each rank's local graph

@@ -15,8 +15,8 @@ class SpatialGather(keras.layers.Identity):
     same thing on every rank. Use it to stop splitting where volumes become too small
     to divide over the shards (LBANN stops CosmoFlow's spatial split before the last
     pools), or before a head that needs the whole volume. The gradient follows the rule
-    of DESIGN.md: summed over the spatial group, each rank keeps its own slice. Without
-    an active spatial strategy it is `keras.layers.Identity`.
+    of docs/design.md ("Gradient rule"): summed over the spatial group, each rank keeps
+    its own slice. Without an active spatial strategy it is `keras.layers.Identity`.
 
     Input shape:
         LOCAL shard `(batch, d, h, w, channels)`.

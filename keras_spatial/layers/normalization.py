@@ -14,9 +14,9 @@ class SpatialBatchNormalization(keras.layers.BatchNormalization):
 
     Takes the arguments of `keras.layers.BatchNormalization`. In training, the mean
     and variance of each channel are computed over every voxel of every sample the
-    ranks hold together, by two allreduce-SUMs (sum and count, then the sum of squared
-    deviations from the global mean; the backward pass of each is an allreduce-SUM,
-    DESIGN.md "Gradient rule"):
+    ranks hold together, from ONE allgather of every rank's count, mean and sum of
+    squared deviations (see `global_moments`; the backward pass is one allreduce-SUM,
+    docs/design.md "Gradient rule"):
 
     - `synchronized=True` (the default here; Keras's default is False): over the
       whole world, i.e. the whole GLOBAL batch. The layer then computes exactly what
@@ -135,10 +135,11 @@ def global_moments(x, process_set):
 
     Cost: the allgather carries 2 C + 1 floats per rank (C channels), so it grows with
     the number of ranks P, where an allreduce of sums would not: 131 KB for P = 64 and
-    C = 256, 2 MB for P = 1024. DESIGN.md's single allreduce of sum, sum of squares and
-    count would stay at 2 C + 1 floats but loses about mean^2 / variance x float32
-    epsilon of the variance (an estimate: 5e-3 relative for a mean of 300 and a
-    standard deviation of 1), which is why it is not used.
+    C = 256, 2 MB for P = 1024. A single allreduce of sum, sum of squares and count
+    (docs/design.md, "Batch-norm statistics") would stay at 2 C + 1 floats but loses
+    about mean^2 / variance x float32 epsilon of the variance (an estimate: 5e-3
+    relative for a mean of 300 and a standard deviation of 1), which is why it is not
+    used.
 
     Args:
         x: a tensor, channels last.

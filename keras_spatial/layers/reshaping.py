@@ -16,7 +16,7 @@ class SpatialFlatten(keras.layers.Flatten):
     order `keras.layers.Flatten` gives on the whole volume (depth, height, width,
     channels), so a dense head after it has the same weights as in a single-device
     model. The gather's backward pass sums the upstream gradients over the spatial
-    group and keeps each rank's slice (DESIGN.md, "Gradient rule"). Without an
+    group and keeps each rank's slice (docs/design.md, "Gradient rule"). Without an
     active spatial strategy it is `keras.layers.Flatten`.
 
     Every rank of the spatial group receives the whole volume: use it after the

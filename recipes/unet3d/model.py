@@ -10,17 +10,17 @@ whose output is kept for the skip connection, then MaxPool 2^3. The bottom level
 F*2^depth and F*2^(depth+1) filters. Decoder level l (from depth-1 up to 0):
 Conv3DTranspose 2^3 stride 2 with as many filters as it receives, concatenation with the
 skip of level l, two conv blocks of F*2^(l+1) filters. Output: Conv3D 1^3 to `classes`,
-softmax over classes. The paper's network (SCIENCE.md) is `depth=3, base_filters=32`:
+softmax over classes. The paper's network (docs/science.md) is `depth=3, base_filters=32`:
 encoder (32, 64), (64, 128), (128, 256), bottom (256, 512), decoder transposes of 512,
 256 and 128 filters and convs (256, 256), (128, 128), (64, 64): 19,065,888 kernel
 weights for one input channel and 3 classes, 19,076,131 parameters in all with batch
 norm (4 numbers per channel, transposed and output convolutions with a bias) and
-19,069,123 without (every convolution with a bias) - SCIENCE.md's "about 19 M".
+19,069,123 without (every convolution with a bias) - docs/science.md's "about 19 M".
 
 Convolutions followed by batch norm have no bias (the norm's offset replaces it); without
 batch norm they have one. The transposed convolutions are linear with a bias.
 
-The metric is the Dice score (SCIENCE.md: per class, 2|P n G| / (|P| + |G|) on the argmax,
+The metric is the Dice score (docs/science.md: per class, 2|P n G| / (|P| + |G|) on the argmax,
 background excluded from the mean): `DiceScore` accumulates a confusion matrix of voxel
 counts, an additive state, so under `keras_spatial.callbacks.MetricAverage` it is the
 exact Dice of all voxels of all ranks; `confusion_matrix` and `dice_from_confusion` are

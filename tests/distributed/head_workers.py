@@ -4,7 +4,7 @@ Every rank builds the plain Keras layer (or model) with the same weights and run
 the whole global batch; ranks return `excess` numbers (<= 0: within rtol=atol=1e-5) and
 small arrays, and the pytest process asserts on them.
 
-Which gradients are compared (DESIGN.md, "Gradient rule": the sum over the world of
+Which gradients are compared (docs/design.md, "Gradient rule": the sum over the world of
 the per-rank gradients is the gradient of the sum of the per-rank losses):
 
 - Sharded outputs (batch normalization): each rank's loss covers its own shard,
