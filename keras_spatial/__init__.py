@@ -13,6 +13,7 @@ from keras_spatial.fused_adam import FusedAdam
 from keras_spatial.layers.core import Input
 from keras_spatial.mesh import Mesh
 from keras_spatial.optimizer import DistributedOptimizer
+from keras_spatial.spatialize import spatialize
 from keras_spatial.strategy import SpatialStrategy
 from keras_spatial.strategy import get_strategy
 
@@ -29,5 +30,6 @@ __all__ = [
     "SpatialStrategy",
     "get_strategy",
     "layers",
+    "spatialize",
     "to_keras_model",
 ]

@@ -8,12 +8,13 @@ depend on it and not on `keras_spatial.strategy`, which imports them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+import contextlib
+from typing import TYPE_CHECKING, Iterator, Optional
 
 if TYPE_CHECKING:
     from keras_spatial.strategy import SpatialStrategy
 
-_scope_stack: list["SpatialStrategy"] = []
+_scope_stack: list[Optional["SpatialStrategy"]] = []
 _latest: Optional["SpatialStrategy"] = None
 
 
@@ -42,3 +43,15 @@ def push_scope(strategy: "SpatialStrategy") -> None:
 def pop_scope() -> None:
     """Leave the innermost `scope()`."""
     _scope_stack.pop()
+
+
+@contextlib.contextmanager
+def no_strategy() -> Iterator[None]:
+    """Inside it, `get_strategy()` is None: layers and `keras_spatial.Input` build the
+    whole-volume model of one process (as `keras_spatial.spatialize` does to check a
+    layout before building the model for this rank)."""
+    _scope_stack.append(None)
+    try:
+        yield
+    finally:
+        _scope_stack.pop()

@@ -20,6 +20,7 @@ from keras_spatial.ops.gather import gather_volume
 from keras_spatial.optimizer import DistributedOptimizer
 from keras_spatial.optimizer import broadcast_variables
 from keras_spatial.plan import summary
+from keras_spatial.spatialize import spatialize
 
 __all__ = ["SpatialStrategy", "get_strategy"]
 
@@ -277,6 +278,11 @@ class SpatialStrategy:
     def summary(self, model, print_fn=print) -> list:
         """Print the layout plan of `model` on this mesh; see `keras_spatial.plan`."""
         return summary(model, self, print_fn=print_fn)
+
+    def spatialize(self, model):
+        """The spatial model of a plain Keras 3D model on this mesh, with its weights;
+        see `keras_spatial.spatialize`."""
+        return spatialize(model, self)
 
     def distribute_dataset(self, dataset, batch_size: int, **kwargs):
         """A `tf.data.Dataset` of this rank's shards; see
