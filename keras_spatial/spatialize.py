@@ -26,6 +26,7 @@ from keras_spatial.layers.normalization import SpatialBatchNormalization
 from keras_spatial.layers.pooling import SpatialAveragePooling3D, SpatialMaxPooling3D
 from keras_spatial.layers.reshaping import SpatialFlatten
 from keras_spatial.layers.upsampling import SpatialUpSampling3D
+from keras_spatial.optimizer import DistributedOptimizer
 from keras_spatial.plan import plan_for_mesh
 
 # Keras layer class -> the keras_spatial layer that computes it on a split volume.
@@ -169,8 +170,10 @@ def spatialize(model: keras.Model, strategy=None) -> keras.Model:
     `keras_spatial.Input` of the same global shape; voxel-wise layers (activations,
     Dense, merges, dropout, per-channel normalization) stay as they are; after a gather,
     every layer stays. The model is rebuilt under `strategy` (so its inputs take this
-    rank's shards) and gets `model`'s weights. `keras_spatial.to_keras_model` of the
-    result gives `model` back.
+    rank's shards) and gets `model`'s weights. If `model` was compiled, the result is
+    compiled the same way (loss, metrics, a fresh copy of the optimizer from its config)
+    with the optimizer wrapped in `DistributedOptimizer`. `keras_spatial.to_keras_model`
+    of the result gives `model` back.
 
     Args:
         model: a functional or Sequential Keras model (for instance from
@@ -209,7 +212,21 @@ def spatialize(model: keras.Model, strategy=None) -> keras.Model:
         with strategy.scope():
             spatial = from_config(config)
     spatial.set_weights(model.get_weights())
+    _compile_like(spatial, model, strategy)
     return spatial
+
+
+def _compile_like(spatial: keras.Model, model: keras.Model, strategy) -> None:
+    """Compile `spatial` as `model` was compiled (if it was), with its optimizer wrapped
+    in `DistributedOptimizer` so that gradients are averaged over the world."""
+    config = model.get_compile_config() if model.compiled else None
+    if not config:
+        return
+    arguments = keras.saving.deserialize_keras_object(config)
+    optimizer = arguments.get("optimizer")
+    if optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
+        arguments["optimizer"] = DistributedOptimizer(optimizer)
+    spatial.compile(**arguments)
 
 
 def _build_without_strategy(from_config, config: dict) -> keras.Model:

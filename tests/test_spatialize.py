@@ -131,3 +131,14 @@ def test_spatialized_models_match_plain_keras_on_two_ranks():
                 assert "SpatialConv3D" in r["types"] and "Concatenate" in r["types"]
                 bad = failures({k: v for k, v in r.items() if k != "types"})
                 assert not bad, f"rank {rank}, {shape}, head={head}: {bad}"
+
+
+def test_a_compiled_model_comes_back_compiled_with_a_distributed_optimizer():
+    plain = plain_model(head=True)
+    plain.compile(keras.optimizers.SGD(0.01, momentum=0.9), "mse", metrics=["mae"])
+    spatial = ks.spatialize(plain)
+    assert isinstance(spatial.optimizer, ks.DistributedOptimizer)
+    assert spatial.optimizer.inner_optimizer.get_config()["momentum"] == 0.9
+    x, y = _volume(3), np.zeros((2, 3), "float32")
+    np.testing.assert_allclose(spatial.evaluate(x, y, verbose=0), plain.evaluate(x, y, verbose=0), rtol=1e-6)
+    assert not ks.spatialize(plain_model(head=True)).compiled
