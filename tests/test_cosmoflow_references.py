@@ -83,3 +83,33 @@ def test_ridge_bad_arguments():
         references.RidgeFit().fit(np.zeros((10, 2)), np.zeros((9, 1)))
     with pytest.raises(ValueError, match="needs fit"):
         references.RidgeFit().predict(np.zeros((2, 2)))
+
+
+def test_channel_columns_pick_one_channels_features(tiny_universes):
+    counts = tiny_universes[0][0]
+    summary = references.summary_features(counts)
+    power = references.power_spectrum_features(counts)
+    alone = counts[..., 2:3]
+    np.testing.assert_allclose(summary[references.channel_columns("summary_fit", 2, 4)],
+                               references.summary_features(alone))
+    np.testing.assert_allclose(power[references.channel_columns("power_spectrum_fit", 2, 4)],
+                               references.power_spectrum_features(alone), rtol=1e-6)
+    with pytest.raises(ValueError, match="`channel` must be an integer in"):
+        references.channel_columns("summary_fit", 4, 4)
+    with pytest.raises(ValueError, match="`name` must be one of"):
+        references.channel_columns("cnn", 0, 4)
+
+
+def test_one_channel_cannot_see_what_only_the_ratio_of_channels_holds():
+    # Label = the log-ratio of two channels' amplitudes, the second channel's amplitude
+    # drawn independently: only the pair of channels determines it.
+    rng = np.random.default_rng(2)
+    amplitude = rng.uniform(1.0, 2.0, (80, 2))
+    features = np.c_[amplitude, np.ones((80, 2))]  # [std_0, std_1, mean_0, mean_1]
+    labels = np.log(amplitude[:, 1:] / amplitude[:, :1])
+    train = {"summary_fit": features[:60], "power_spectrum_fit": np.zeros((60, 12))}
+    val = {"summary_fit": features[60:], "power_spectrum_fit": np.zeros((20, 12))}
+    both = references.RidgeFit().fit(features[:60], labels[:60]).score(features[60:], labels[60:])
+    alone = references.single_channel_scores(train, labels[:60], val, labels[60:])["summary_fit"]
+    assert both[0] < 0.1 * labels[60:].var()
+    assert alone[0] > 0.5 * labels[60:].var()

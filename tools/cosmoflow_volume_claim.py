@@ -193,7 +193,7 @@ def main(argv=None) -> int:
         if not os.path.lexists(link):
             os.symlink(os.path.join(data, name), link)
 
-    seconds, histories = {}, {}
+    seconds, histories, reused = {}, {}, []
     for i, crop in enumerate(args.crops, start=1):
         print(f"[2/3] training {i}/{len(args.crops)}: crops of {crop}^3", flush=True)
         out = os.path.join(args.dir, f"crop{crop}")
@@ -204,6 +204,7 @@ def main(argv=None) -> int:
                 record = json.load(f)
         else:
             seconds[crop] = record["summary"]["fit_seconds"]
+            reused.append(crop)
             print(f"  reusing the finished run in {out}", flush=True)
         histories[crop] = record["history"]
         train_files = record["config"]["train_files"]
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     print("[3/3] evaluating the saved models in one process; reference estimators", flush=True)
     import numpy as np
 
-    from recipes.cosmoflow.references import file_features, reference_scores
+    from recipes.cosmoflow.references import file_features, reference_scores, single_channel_scores
 
     train_paths = [os.path.join(subset, name) for name in train_files]
     val_paths = [os.path.join(subset, name) for name in val_files]
@@ -226,12 +227,14 @@ def main(argv=None) -> int:
         predicted = predict_validation(os.path.join(args.dir, f"crop{crop}", "model.keras"), val_paths, crop)
         mse = {"cnn": ((predicted - val_y) ** 2).mean(axis=0)}
         mse.update(reference_scores(train_features[crop], train_y, val_features[crop], val_y))
+        single = single_channel_scores(train_features[crop], train_y, val_features[crop], val_y)
         logged = histories[crop]["val_loss"][-1]
-        rows.append({"crop": crop, "mse": mse, "baseline": baseline, "logged": logged,
+        rows.append({"crop": crop, "mse": mse, "single": single, "baseline": baseline, "logged": logged,
                      "best": min(histories[crop]["val_loss"]), "seconds": seconds[crop]})
         print(f"  {crop}^3: " + "; ".join(
             f"{ESTIMATOR_LABELS[k]} {np.round(v, 4).tolist()}" for k, v in mse.items()), flush=True)
-    wall_minutes = (time.perf_counter() - started) / 60
+    # A reused run's training time (from its history.json) counts as if trained now.
+    wall_minutes = (time.perf_counter() - started + sum(seconds[c] for c in reused)) / 60
 
     doc_png = os.path.splitext(args.doc)[0] + ".png"
     _plot(rows, histories, doc_png)
@@ -239,6 +242,9 @@ def main(argv=None) -> int:
         "sizes": {str(row["crop"]): {name: dict(zip(JSON_NAMES, map(float, values)))
                                      for name, values in row["mse"].items()} for row in rows},
         "mean_label": dict(zip(JSON_NAMES, map(float, baseline))),
+        "single_redshift_z0": {str(row["crop"]): {name: dict(zip(JSON_NAMES, map(float, values)))
+                                                  for name, values in row["single"].items()}
+                               for row in rows},
         "wall_minutes": round(wall_minutes, 1),
         "command": _command(argv),
         "train_universes": len(train_files), "validation_universes": len(val_files),
@@ -247,7 +253,7 @@ def main(argv=None) -> int:
         json.dump(record, f, indent=1)
         f.write("\n")
     lines = _report(args, argv, rows, baseline, train_files, val_files, wall_minutes,
-                    write_seconds, reference_seconds, doc_png)
+                    write_seconds, reference_seconds, doc_png, reused)
     os.makedirs(os.path.dirname(os.path.abspath(args.doc)), exist_ok=True)
     with open(args.doc, "w") as f:
         f.write("\n".join(lines))
@@ -275,7 +281,7 @@ def _command(argv) -> str:
 
 
 def _report(args, argv, rows, baseline, train_files, val_files, wall_minutes, write_seconds,
-            reference_seconds, doc_png) -> list:
+            reference_seconds, doc_png, reused=()) -> list:
     """The markdown table of the run (the analysis below it is written by hand)."""
     names = ("cnn", "summary_fit", "power_spectrum_fit")
     lines = [
@@ -284,7 +290,10 @@ def _report(args, argv, rows, baseline, train_files, val_files, wall_minutes, wr
         f"Command: `{_command(argv)}` ({datetime.date.today().isoformat()}, 2 cores, "
         f"{args.np} Horovod ranks, each sample split {args.np},1,1). Total wall time "
         f"{wall_minutes:.1f} min (writing universes {write_seconds:.0f} s, reference "
-        f"features {reference_seconds:.0f} s). Machine-readable: "
+        f"features {reference_seconds:.0f} s"
+        + (f"; the {', '.join(f'{c}^3' for c in reused)} training counted from its "
+           "recorded time (--reuse-trained)" if reused else "")
+        + "). Machine-readable: "
         f"`{os.path.relpath(args.json, os.path.dirname(os.path.abspath(args.doc)))}`.",
         "",
         f"Same {len(train_files)} training and {len(val_files)} validation universes "
@@ -314,6 +323,19 @@ def _report(args, argv, rows, baseline, train_files, val_files, wall_minutes, wr
     ]
     lines += [f"| {row['crop']}^3 | {row['seconds'] / 60:.1f} min | {row['best']:.4f} | "
               f"{row['logged']:.4f} |" for row in rows]
+    lines += [
+        "",
+        "What one redshift holds: the same reference fits on the features of the z = 0 "
+        "channel alone (no change of the field between redshifts), next to all four "
+        "channels:",
+        "",
+        "| input | estimator | Omega_m, z = 0 only | Omega_m, 4 redshifts | sigma_8, z = 0 only "
+        "| sigma_8, 4 redshifts |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {row['crop']}^3 | {ESTIMATOR_LABELS[name]} | {row['single'][name][0]:.4f} | "
+              f"{row['mse'][name][0]:.4f} | {row['single'][name][1]:.4f} | {row['mse'][name][1]:.4f} |"
+              for row in rows for name in names[1:]]
     lines += [
         "",
         f"![validation curves and per-parameter errors]({os.path.basename(doc_png)})",

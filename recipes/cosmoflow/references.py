@@ -15,6 +15,9 @@ universes maps them to the labels, scored on the validation universes.
 - `RidgeFit`: features standardized on the training set, one ridge penalty per
   parameter chosen by K-fold cross-validation inside the training set, so the
   validation universes are used only for scoring.
+- `single_channel_scores`: the same fits on the features of one redshift channel only,
+  which separates what one snapshot of the field holds from what its growth between
+  redshifts adds.
 """
 
 from __future__ import annotations
@@ -194,6 +197,39 @@ def file_features(paths: Sequence[str], crops: Sequence[int], progress: bool = T
         rows.append(crop_features(counts, crops))
     return np.stack(labels), {c: {name: np.stack([r[c][name] for r in rows]) for name in ESTIMATORS}
                               for c in crops}
+
+
+def channel_columns(name: str, channel: int, channels: int, bins: int = POWER_BINS) -> np.ndarray:
+    """Indices of the columns of estimator `name`'s features (of a sample with `channels`
+    channels) that are computed from channel `channel` alone."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"`name` must be one of {sorted(ESTIMATORS)}. Received: name={name!r}")
+    if int(channels) != channels or channels < 1 or int(channel) != channel or not 0 <= channel < channels:
+        raise ValueError(
+            "`channel` must be an integer in [0, channels) and `channels` a positive integer. "
+            f"Received: channel={channel!r}, channels={channels!r}"
+        )
+    if name == "summary_fit":  # [std of every channel, mean of every channel]
+        return np.array([channel, channels + channel])
+    # [bins of channel 0, bins of channel 1, ..., 4 moments of channel 0, ...]
+    spectrum = np.arange(channel * bins, (channel + 1) * bins)
+    moments = bins * channels + 4 * channel + np.arange(4)
+    return np.concatenate([spectrum, moments])
+
+
+def single_channel_scores(train: dict, train_labels, validation: dict, validation_labels,
+                          channel: int = 0) -> dict:
+    """{estimator name: per-parameter validation MSE} of the ridge fits of
+    `reference_scores` on the features of ONE channel (redshift) only: what a single
+    snapshot holds, without the change of the field between redshifts (growth)."""
+    scores = {}
+    for name in ESTIMATORS:
+        width = train[name].shape[1]
+        channels = width // 2 if name == "summary_fit" else width // (POWER_BINS + 4)
+        columns = channel_columns(name, channel, channels)
+        scores[name] = RidgeFit().fit(train[name][:, columns], train_labels).score(
+            validation[name][:, columns], validation_labels)
+    return scores
 
 
 def reference_scores(train: dict, train_labels, validation: dict, validation_labels) -> dict:
