@@ -49,9 +49,8 @@ overlap to bound what overlap would give), mixed precision, recomputation.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import keras
 

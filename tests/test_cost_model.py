@@ -326,3 +326,16 @@ def test_auto_layout_rejects_misaligned_layouts(model):
         (8, 1, 1), (1, 8, 1), (1, 1, 8)}
 
 
+
+
+def test_in_place_pooling_sends_planes_pooled_over_the_other_axes():
+    # 3^3 stride 2 'same' average pooling of 8^3 x 2 on 2x1x1: shard 0's last output reads
+    # one plane of shard 1 (leading padding 0), which arrives pooled over height and
+    # width: 4 x 4 outputs x 2 channels x 4 bytes = 128 bytes, not the 8 x 8 plane.
+    x = ks.Input((8, 8, 8, 2), name="x")
+    y = ks.layers.SpatialAveragePooling3D(3, strides=2, padding="same", name="pool")(x)
+    costs = by_name(cm.model_costs(keras.Model(x, y), (2, 1, 1)))
+    pool = costs["pool"]
+    assert [pool.halo_bytes(i) for i in range(2)] == [128, 0]
+    assert pool.exchanges[1] == (cm.AxisExchange(0, (), ((0, 128),)),)
+    assert pool.forward_flops == 4 * 4 * 4 // 2 * 2 * 27  # 32 outputs per channel x 2 x 27 taps
