@@ -1,35 +1,29 @@
 """Command-line pieces shared by the training recipes and the tools.
 
-`recipes.cosmoflow.train`, `recipes.unet3d.train` and `tools/plan_layout.py` build their
-interfaces from these:
+`recipes.cosmoflow.train`, `recipes.unet3d.train`, the data set writers in tools/ and the
+benchmarks build their interfaces from these:
 
+- argparse types: `spatial_shape` (the `--spatial D,H,W` split), `extents` (any three
+  extents, e.g. a volume size), `int_at_least` and its presets `positive_int` and
+  `non_negative_int`, `bounded_float` and its presets `fraction`, `rate` and
+  `positive_float`. Each names its flag in its error message, e.g. "must be a positive
+  integer. Received: --epochs '0'".
 - `add_data_arguments` and `add_training_arguments`: the options every trainer has
   (--data, --spatial, --batch-size, --epochs first; --validation-fraction,
   --learning-rate, --out, --seed last).
-- argparse types: `spatial_argument` (the `--spatial D,H,W` split), `positive_int`,
-  `bounded_float` and its presets `fraction`, `rate` and `positive_float`. Each names
-  its flag in its error message, e.g. "must be a positive integer. Received:
-  --epochs '0'".
 - `BadArgument`, `EXIT_BAD_ARGUMENT` and `run_main`: arguments or data found unusable
   after parsing are reported as `PROG: error: MESSAGE` on rank 0 with exit status 2, as
   argparse reports its own errors.
 - `rank_from_environment`: the rank of this process under horovodrun or mpirun, before
   Horovod is initialized.
-- `find_data_files`, `split_files` and `validation_batch_size`: the files of `--data`,
-  their split into training and validation files, and the validation batch.
-- `spatial_strategy` and `fit`: the strategy of `--spatial` (threads limited when ranks
-  share the machine) and a timed `model.fit` that saves the model every epoch.
-- `run_config`, `write_history` and `plot_history`: OUT/history.json (history, summary,
-  settings, output files) and the training and validation curves OUT/loss.png.
 
-Only the standard library is imported here; TensorFlow, Keras and matplotlib are
-imported by the functions that use them.
+The training harness the trainers run after parsing is `recipes.training`. Only the
+standard library is imported here.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import math
 import os
 import sys
@@ -38,7 +32,6 @@ from typing import Callable, Optional, Sequence
 EXIT_BAD_ARGUMENT = 2
 # Environment variables holding this process's rank (Horovod, Open MPI, MPICH/Intel MPI).
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-SPATIAL_ERROR = "must be three positive integers D,H,W (e.g. 2,1,1). Received: --spatial {text!r}"
 
 
 class BadArgument(Exception):
@@ -62,43 +55,48 @@ def rank_from_environment() -> int:
 
 
 # argparse types ------------------------------------------------------------------------
-def spatial_argument(error: str = SPATIAL_ERROR, separators: str = ",x") -> Callable[[str], tuple]:
-    """Returns an argparse type for a spatial split 'D,H,W' of three positive integers.
+def extents(flag: str, minimum: int = 1, what: Optional[str] = None,
+            cube: bool = False) -> Callable[[str], tuple]:
+    """Returns an argparse type for three integer extents 'D,H,W' (or 'DxHxW').
 
     Args:
-        error: the error message; `{text}` is replaced by the argument (`{text!r}` by
-            its repr).
-        separators: the characters accepted between the numbers (by default ',' and
-            'x', so '2,1,1' and '2x1x1' are the same split).
+        flag: the option's name, e.g. '--size', quoted in the error message.
+        minimum: the smallest extent allowed. Defaults to 1.
+        what: the allowed values in words, for the error message "must be WHAT.
+            Received: FLAG 'TEXT'". Defaults to "three integers D,H,W of at least
+            MINIMUM" (with "(or one W for a cube)" when `cube`).
+        cube: whether a single number W also means (W, W, W). Defaults to False.
 
     Returns:
         A function of the argument's text returning the tuple (D, H, W).
     """
+    if what is None:
+        what = f"three integers D,H,W of at least {minimum}" + (" (or one W for a cube)" if cube else "")
 
     def parse(text: str) -> tuple[int, int, int]:
-        normalized = text
-        for separator in separators[1:]:
-            normalized = normalized.replace(separator, separators[0])
+        parts = text.replace("x", ",").split(",")
+        if cube and len(parts) == 1:
+            parts = parts * 3
         try:
-            shape = tuple(int(part) for part in normalized.split(separators[0]))
+            shape = tuple(int(part) for part in parts)
         except ValueError:
             shape = ()
-        if len(shape) != 3 or any(s < 1 for s in shape):
-            raise argparse.ArgumentTypeError(error.format(text=text))
+        if len(shape) != 3 or any(s < minimum for s in shape):
+            raise argparse.ArgumentTypeError(f"must be {what}. Received: {flag} {text!r}")
         return shape
 
     return parse
 
 
-_spatial_shape = spatial_argument()
+_spatial_shape = extents("--spatial", 1, "three positive integers D,H,W (e.g. 2,1,1)")
 
 
 def spatial_shape(text: str) -> tuple[int, int, int]:
     """argparse type of `--spatial D,H,W` (',' or 'x' between the numbers).
 
     Raises:
-        argparse.ArgumentTypeError: with `SPATIAL_ERROR`, unless `text` is three
-            positive integers.
+        argparse.ArgumentTypeError: "must be three positive integers D,H,W (e.g. 2,1,1).
+            Received: --spatial 'TEXT'", unless `text` is three positive integers.
     """
     return _spatial_shape(text)
 
@@ -109,15 +107,25 @@ def positive_int(flag: str) -> Callable[[str], int]:
     Args:
         flag: the option's name, e.g. '--epochs', quoted in the error message.
     """
-    return _int_at_least(flag, 1, "a positive integer")
+    return int_at_least(flag, 1, "a positive integer")
 
 
 def non_negative_int(flag: str) -> Callable[[str], int]:
     """Returns an argparse type for an integer >= 0 given to the option `flag`."""
-    return _int_at_least(flag, 0, "a non-negative integer")
+    return int_at_least(flag, 0, "a non-negative integer")
 
 
-def _int_at_least(flag: str, low: int, what: str) -> Callable[[str], int]:
+def int_at_least(flag: str, low: int, what: Optional[str] = None) -> Callable[[str], int]:
+    """Returns an argparse type for an integer >= `low` given to the option `flag`.
+
+    Args:
+        flag: the option's name, quoted in the error message.
+        low: the smallest value allowed.
+        what: the allowed values in words, for the error message "must be WHAT.
+            Received: FLAG 'TEXT'". Defaults to "an integer of at least LOW".
+    """
+    what = what or f"an integer of at least {low}"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -235,241 +243,3 @@ def run_main(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace]
             print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
         return EXIT_BAD_ARGUMENT
     return 0
-
-
-# Training ---------------------------------------------------------------------------------
-def spatial_strategy(spatial: Sequence[int], batch_size: int):
-    """Returns the `keras_spatial.SpatialStrategy` of `--spatial` for `--batch-size`.
-
-    Call it before building anything with TensorFlow: when the launcher starts several
-    ranks on this machine (HOROVOD_LOCAL_SIZE > 1), it first limits each rank's
-    TensorFlow threads to its share of the cores.
-
-    Args:
-        spatial: the split (D, H, W) of each sample.
-        batch_size: the global batch.
-
-    Raises:
-        BadArgument: if the world cannot be split so, or `batch_size` is not a
-            multiple of the number of data groups.
-    """
-    import tensorflow as tf
-
-    local_size = int(os.environ.get("HOROVOD_LOCAL_SIZE", "1") or 1)
-    if local_size > 1:  # ranks share this machine's cores
-        tf.config.threading.set_intra_op_parallelism_threads(max(1, (os.cpu_count() or 1) // local_size))
-        tf.config.threading.set_inter_op_parallelism_threads(2)
-    import keras_spatial as ks
-
-    try:
-        strategy = ks.SpatialStrategy(spatial_shape=tuple(spatial))
-    except ValueError as error:
-        raise BadArgument(f"--spatial {','.join(map(str, spatial))}: {error}") from None
-    if batch_size % strategy.data_size:
-        raise BadArgument(
-            f"--batch-size {batch_size} (global) must be a multiple of the number of data "
-            f"groups, {strategy.data_size} (= world size {strategy.size} / spatial "
-            f"{strategy.spatial_size})"
-        )
-    return strategy
-
-
-def fit(model, strategy, train_ds, val_ds, epochs: int, model_path: str) -> tuple[dict, list, float]:
-    """Trains `model` on every rank, saving it to `model_path` after every epoch.
-
-    Args:
-        model: the compiled model, built in `strategy.scope()`.
-        strategy: its `keras_spatial.SpatialStrategy`.
-        train_ds: the training dataset (`strategy.distribute_dataset`).
-        val_ds: the validation dataset, evaluated after every epoch.
-        epochs: the number of epochs.
-        model_path: the `.keras` file written (by rank 0) after every epoch.
-
-    Returns:
-        (history, epoch_seconds, fit_seconds): the Keras history as lists of floats,
-        the seconds of every epoch (the first includes tracing), and of the whole fit.
-    """
-    import time
-
-    import keras
-
-    epoch_times: list = []
-
-    class _Timer(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self._start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            epoch_times.append(time.perf_counter() - self._start)
-
-    start = time.perf_counter()
-    history = model.fit(
-        train_ds,
-        validation_data=val_ds,
-        epochs=epochs,
-        shuffle=False,
-        callbacks=strategy.callbacks(keras.callbacks.ModelCheckpoint(model_path)) + [_Timer()],
-        verbose=2 if strategy.rank == 0 else 0,
-    )
-    fit_seconds = time.perf_counter() - start
-    hist = {k: [float(v) for v in vals] for k, vals in history.history.items()}
-    return hist, epoch_times, fit_seconds
-
-
-# Data files -------------------------------------------------------------------------------
-def find_data_files(data_dir: str, pattern: str, writer: str) -> list:
-    """Returns the sorted files `data_dir`/`pattern` given as `--data`.
-
-    Args:
-        data_dir: the value of --data.
-        pattern: a glob pattern, e.g. 'univ_*.h5'.
-        writer: the tool that writes such files, named when there are none.
-
-    Raises:
-        BadArgument: if `data_dir` is not a directory or holds no such file.
-    """
-    if not os.path.isdir(data_dir):
-        raise BadArgument(f"--data {data_dir!r} is not a directory")
-    paths = sorted(glob.glob(os.path.join(data_dir, pattern)))
-    if not paths:
-        raise BadArgument(f"no files {pattern} in --data {data_dir!r} (write some with {writer})")
-    return paths
-
-
-def split_files(paths: Sequence[str], validation_fraction: float, remedy: str) -> tuple[list, list]:
-    """Splits files, in sorted order, into training and validation files.
-
-    The last round(validation_fraction * N) files, at least one, validate; the same
-    split on every rank.
-
-    Args:
-        paths: the files, in any order.
-        validation_fraction: the fraction of the files that validate, in (0, 1).
-        remedy: what to do when the files cannot be split, ending the error message
-            (e.g. 'write more universes').
-
-    Returns:
-        (training files, validation files), both sorted.
-
-    Raises:
-        BadArgument: if no file would remain for training (fewer than two files).
-    """
-    paths = sorted(paths)
-    n_val = max(1, int(round(validation_fraction * len(paths))))
-    if len(paths) - n_val < 1:
-        raise BadArgument(
-            f"{len(paths)} file(s) cannot be split into training and validation files "
-            f"(--validation-fraction {validation_fraction} takes {n_val}); {remedy}"
-        )
-    return paths[:-n_val], paths[-n_val:]
-
-
-def validation_batch_size(n_val: int, batch_size: int, data_size: int) -> tuple[int, bool]:
-    """Chooses the global validation batch so that every sample is seen once if possible.
-
-    Args:
-        n_val: the number of validation samples.
-        batch_size: the global training batch.
-        data_size: the number of data groups (a batch is a multiple of it).
-
-    Returns:
-        (batch, True) with the largest multiple of `data_size` <= max(batch_size,
-        data_size) that divides `n_val`, or (data_size, False) when none does (the last
-        batch then repeats a few samples).
-    """
-    for b in range(max(batch_size, data_size), 0, -1):
-        if b % data_size == 0 and n_val % b == 0:
-            return b, True
-    return data_size, False
-
-
-# Outputs ------------------------------------------------------------------------------------
-def run_config(args: argparse.Namespace, strategy, validation_batch: int,
-               train_paths: Sequence[str], val_paths: Sequence[str], model) -> dict:
-    """The settings every trainer records in history.json, besides its own.
-
-    Args:
-        args: the parsed options (`add_data_arguments`, `add_training_arguments`).
-        strategy: the run's `keras_spatial.SpatialStrategy`.
-        validation_batch: the global validation batch.
-        train_paths: the training files.
-        val_paths: the validation files.
-        model: the trained model.
-
-    Returns:
-        The split, world and data group sizes, batches, epochs, learning rate, seed,
-        file names and number of parameters, by name.
-    """
-    return {
-        "spatial": list(args.spatial), "world_size": strategy.size,
-        "data_groups": strategy.data_size, "batch_size": args.batch_size,
-        "validation_batch_size": validation_batch, "epochs": args.epochs,
-        "learning_rate": args.learning_rate, "seed": args.seed,
-        "train_files": [os.path.basename(p) for p in train_paths],
-        "validation_files": [os.path.basename(p) for p in val_paths],
-        "parameters": int(model.count_params()),
-    }
-
-
-def write_history(out: str, history: dict, summary: dict, config: dict,
-                  metrics: Sequence[tuple[str, str]], **outputs) -> dict:
-    """Writes OUT/history.json and the curves OUT/loss.png of a finished run (rank 0).
-
-    Args:
-        out: the output directory, holding the model OUT/model.keras.
-        history: the Keras history, lists of floats by metric name.
-        summary: the run's results.
-        config: the run's settings.
-        metrics: the panels of the plot, as for `plot_history`.
-        **outputs: further output files to record, by name.
-
-    Returns:
-        The record written: {'history', 'summary', 'config', 'outputs'}, the last the
-        paths of 'model', 'history', 'plot' and `outputs`.
-    """
-    import json
-
-    record = {
-        "history": history,
-        "summary": summary,
-        "config": config,
-        "outputs": {"model": os.path.join(out, "model.keras"),
-                    "history": os.path.join(out, "history.json"),
-                    "plot": os.path.join(out, "loss.png"), **outputs},
-    }
-    with open(record["outputs"]["history"], "w") as f:
-        json.dump(record, f, indent=2)
-    plot_history(history, record["outputs"]["plot"], metrics)
-    return record
-
-
-def plot_history(history: dict, path: str, metrics: Sequence[tuple[str, str]]) -> None:
-    """Writes the training and validation curves of `history` to the image `path`.
-
-    Args:
-        history: a Keras history (`History.history`): lists of per-epoch values by
-            metric name, validation ones prefixed 'val_'; it must hold 'loss'.
-        path: the image file to write (its format from the extension, e.g. '.png').
-        metrics: one (metric name, title) pair a panel, left to right, e.g.
-            (('loss', 'MSE'), ('mae', 'MAE')); the title also labels the y axis.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.5), squeeze=False)
-    epochs = range(1, len(history["loss"]) + 1)
-    for ax, (metric, title) in zip(axes[0], metrics):
-        if metric in history:
-            ax.plot(epochs, history[metric], "o-", label="training")
-        if "val_" + metric in history:
-            ax.plot(epochs, history["val_" + metric], "s-", label="validation")
-        ax.set_xlabel("epoch")
-        ax.set_ylabel(title)
-        ax.set_title(title)
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import pytest
 
-from recipes import ProgressLine, atomic_h5_file, check_seed, run_jobs, sample_rng
+from recipes.writing import atomic_h5_file, check_seed, progress_bar, run_jobs, sample_rng
 from recipes.cosmoflow import universe as uv
 from recipes.unet3d import segmentation as seg
 
@@ -272,7 +272,7 @@ def test_write_universes_in_parallel_matches_one_writer(tmp_path, universes_cli)
     assert universes_cli.main(["--out", str(serial), "--workers", "1", "--quiet", *common]) == 0
     result = _run_script("write_universes", "--out", str(parallel), "--workers", "2", *common)
     assert result.returncode == 0, result.stderr
-    assert "universes 4/4 (100%)" in result.stderr and "ETA" not in result.stderr.splitlines()[-1]
+    assert "universes: 100%" in result.stderr and "4/4" in result.stderr
     for shard in ("0", "1"):  # As two horovodrun ranks would.
         argv = ["--out", str(sharded), "--shard-index", shard, "--num-shards", "2", "--quiet"]
         assert universes_cli.main(argv + common) == 0
@@ -312,10 +312,10 @@ def test_write_universes_resumes_and_protects_other_data_sets(tmp_path, universe
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--count", "2", "--size", "4"], "Received: size='4'."),
-        (["--count", "0"], "Received: count='0'."),
-        (["--count", "2", "--seed", "-3"], "Received: seed='-3'."),
-        (["--count", "2", "--workers", "0"], "Received: workers='0'."),
+        (["--count", "2", "--size", "4"], "Received: --size '4'"),
+        (["--count", "0"], "Received: --count '0'"),
+        (["--count", "2", "--seed", "-3"], "Received: --seed '-3'"),
+        (["--count", "2", "--workers", "0"], "Received: --workers '0'"),
         (["--count", "2", "--box-size", "0"], "Received: box_size=0.0."),
         (["--count", "2", "--shard-index", "2", "--num-shards", "2"], "Received: shard_index=2"),
     ],
@@ -412,10 +412,10 @@ def test_write_segmentation_resumes_when_the_count_grows(tmp_path, segmentation_
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--count", "2", "--size", "64,64"], "Received: size='64,64'."),
-        (["--count", "2", "--size", "4,64,64"], "Received: size='4,64,64'."),
-        (["--count", "2", "--per-file", "0"], "Received: per_file='0'."),
-        (["--count", "-1"], "Received: count='-1'."),
+        (["--count", "2", "--size", "64,64"], "Received: --size '64,64'"),
+        (["--count", "2", "--size", "4,64,64"], "Received: --size '4,64,64'"),
+        (["--count", "2", "--per-file", "0"], "Received: --per-file '0'"),
+        (["--count", "-1"], "Received: --count '-1'"),
         (["--count", "2", "--noise-std", "-1"], "Received: noise_std=-1.0."),
     ],
 )
@@ -435,13 +435,14 @@ def test_sample_rng_depends_only_on_seed_index_and_stream():
     assert len({tuple(draw(*key)) for key in [(1, 2, 0), (1, 3, 0), (2, 2, 0), (1, 2, 1)]}) == 4
 
 
-def test_progress_line_reports_count_rate_and_eta():
+def test_progress_bar_counts_the_finished_jobs():
     import io
 
     stream = io.StringIO()
-    progress = ProgressLine(4, label="files", stream=stream, log_interval=0.0)
-    results = run_jobs(abs, [-1, -2, -3, -4], workers=1, progress=progress)
+    results = run_jobs(abs, [-1, -2, -3, -4], workers=1, progress=progress_bar(4, "files", stream=stream))
     assert results == [1, 2, 3, 4]
-    lines = stream.getvalue().splitlines()
-    assert lines[0].startswith("files 1/4 (25%)") and "ETA" in lines[0]
-    assert lines[-1].startswith("files 4/4 (100%)") and "done in" in lines[-1]
+    final = stream.getvalue().replace("\r", "\n").strip().splitlines()[-1]
+    assert final.startswith("files: 100%") and "4/4" in final, final
+    quiet = io.StringIO()
+    run_jobs(abs, [-1, -2], progress=progress_bar(2, "files", enabled=False, stream=quiet))
+    assert quiet.getvalue() == ""

@@ -20,28 +20,25 @@ sys.path.insert(0, REPO_ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-from recipes.cli import spatial_argument  # noqa: E402  (after the path and environment)
+from recipes.cli import non_negative_int, positive_int, spatial_shape  # noqa: E402  (after the path and environment)
 
 MODELS = ("cosmoflow",)
-# No 'x' between the numbers, and this tool's own wording of the error.
-_spatial_shape = spatial_argument(
-    "must be three positive integers, e.g. 4,1,1. Received: spatial={text!r}", separators=","
-)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="cosmoflow")
-    parser.add_argument("--size", type=int, default=128, help="cubic input extent W (default 128)")
-    parser.add_argument("--spatial", type=_spatial_shape, default=(1, 1, 1),
+    parser.add_argument("--size", type=positive_int("--size"), default=128, help="cubic input extent W (default 128)")
+    parser.add_argument("--spatial", type=spatial_shape, default=(1, 1, 1),
                         help="shards along depth,height,width (default 1,1,1)")
-    parser.add_argument("--variant", default="paper", help="paper or mlperf (default paper)")
-    parser.add_argument("--channels", type=int, default=4)
+    parser.add_argument("--variant", choices=("paper", "mlperf"), default="paper",
+                        help="the CosmoFlow variant (default paper)")
+    parser.add_argument("--channels", type=positive_int("--channels"), default=4)
     parser.add_argument("--batch-norm", action="store_true")
-    parser.add_argument("--rank", type=int, default=0, help="rank whose shard is shown (default 0)")
-    parser.add_argument("--world-size", type=int, default=None,
+    parser.add_argument("--rank", type=non_negative_int("--rank"), default=0, help="rank whose shard is shown (default 0)")
+    parser.add_argument("--world-size", type=positive_int("--world-size"), default=None,
                         help="ranks in the world (default: the spatial size)")
-    parser.add_argument("--batch-size", type=int, default=1, help="samples per rank (default 1)")
+    parser.add_argument("--batch-size", type=positive_int("--batch-size"), default=1, help="samples per rank (default 1)")
     return parser.parse_args(argv)
 
 

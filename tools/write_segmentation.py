@@ -24,31 +24,14 @@ sys.path.insert(0, REPO_ROOT)
 import argparse  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
-from recipes import (  # noqa: E402
+from recipes.cli import extents, int_at_least, non_negative_int, positive_int  # noqa: E402
+from recipes.writing import (  # noqa: E402
     check_seed,
-    int_argument,
     prepare_output_directory,
     resolve_shard,
     write_planned,
 )
 from recipes.unet3d import segmentation  # noqa: E402
-
-
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """Parses "D,H,W" (or a single "W" for a cube) into three extents of at least 8."""
-    parts = [part.strip() for part in text.split(",")]
-    if len(parts) == 1:
-        parts = parts * 3
-    try:
-        shape = tuple(int(part) for part in parts)
-    except ValueError:
-        shape = ()
-    if len(shape) != 3 or min(shape) < segmentation.MIN_EXTENT:
-        raise argparse.ArgumentTypeError(
-            f"must be D,H,W (or W), integers of at least {segmentation.MIN_EXTENT}. "
-            f"Received: size={text!r}."
-        )
-    return shape
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,15 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a synthetic 3D segmentation set (ellipsoids of 2 classes in noise).",
     )
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
-    parser.add_argument("--count", required=True, type=int_argument("count", 1),
+    parser.add_argument("--count", required=True, type=positive_int("--count"),
                         help="total number of samples")
-    parser.add_argument("--size", type=parse_shape, default=(64, 64, 64),
+    parser.add_argument("--size", type=extents("--size", segmentation.MIN_EXTENT, cube=True), default=(64, 64, 64),
                         help="volume extent D,H,W or W (default 64,64,64)")
-    parser.add_argument("--per-file", type=int_argument("per_file", 1), default=16,
+    parser.add_argument("--per-file", type=positive_int("--per-file"), default=16,
                         help="samples per file K (default 16)")
-    parser.add_argument("--seed", type=int_argument("seed", 0), default=0,
+    parser.add_argument("--seed", type=non_negative_int("--seed"), default=0,
                         help="data set seed (default 0)")
-    parser.add_argument("--workers", type=int_argument("workers", 1), default=None,
+    parser.add_argument("--workers", type=positive_int("--workers"), default=None,
                         help="worker processes (default: available CPUs; 1 under horovodrun)")
     parser.add_argument("--noise-std", type=float, default=0.5,
                         help="std of the additive noise (default 0.5)")
@@ -74,9 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Gaussian blur in voxels (default 1.0)")
     parser.add_argument("--overwrite", action="store_true",
                         help="rewrite every file, even complete ones or other data sets'")
-    parser.add_argument("--shard-index", type=int_argument("shard_index", 0), default=None,
+    parser.add_argument("--shard-index", type=non_negative_int("--shard-index"), default=None,
                         help="this writer's shard (default: $HOROVOD_RANK or 0)")
-    parser.add_argument("--num-shards", type=int_argument("num_shards", 1), default=None,
+    parser.add_argument("--num-shards", type=positive_int("--num-shards"), default=None,
                         help="number of writers sharing the files (default: $HOROVOD_SIZE or 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     return parser

@@ -24,9 +24,9 @@ sys.path.insert(0, REPO_ROOT)
 import argparse  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
-from recipes import (  # noqa: E402
+from recipes.cli import int_at_least, non_negative_int, positive_int  # noqa: E402
+from recipes.writing import (  # noqa: E402
     check_seed,
-    int_argument,
     prepare_output_directory,
     resolve_shard,
     write_planned,
@@ -41,13 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write synthetic lognormal universes (CosmoFlow inputs and labels).",
     )
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
-    parser.add_argument("--count", required=True, type=int_argument("count", 1),
+    parser.add_argument("--count", required=True, type=positive_int("--count"),
                         help="number of universes N; files univ_000000.h5 ... univ_{N-1}")
-    parser.add_argument("--size", type=int_argument("size", universe.MIN_SIZE), default=128,
+    parser.add_argument("--size", type=int_at_least("--size", universe.MIN_SIZE), default=128,
                         help="grid points per side W (default 128)")
-    parser.add_argument("--seed", type=int_argument("seed", 0), default=0,
+    parser.add_argument("--seed", type=non_negative_int("--seed"), default=0,
                         help="data set seed (default 0)")
-    parser.add_argument("--workers", type=int_argument("workers", 1), default=None,
+    parser.add_argument("--workers", type=positive_int("--workers"), default=None,
                         help="worker processes (default: available CPUs; 1 under horovodrun)")
     parser.add_argument("--box-size", type=float, default=None,
                         help="box side in Mpc/h (default 4 Mpc/h per cell: 512 at W=128)")
@@ -55,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="mean count per cell (default 64)")
     parser.add_argument("--overwrite", action="store_true",
                         help="rewrite every file, even complete ones or other data sets'")
-    parser.add_argument("--shard-index", type=int_argument("shard_index", 0), default=None,
+    parser.add_argument("--shard-index", type=non_negative_int("--shard-index"), default=None,
                         help="this writer's shard (default: $HOROVOD_RANK or 0)")
-    parser.add_argument("--num-shards", type=int_argument("num_shards", 1), default=None,
+    parser.add_argument("--num-shards", type=positive_int("--num-shards"), default=None,
                         help="number of writers sharing the indices (default: $HOROVOD_SIZE or 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     return parser

@@ -26,10 +26,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from recipes import cli
+from recipes import cli, training
 from recipes.cosmoflow.model import HEADS
 from recipes.cosmoflow.schedules import MLPERF_TARGET_VAL_MAE, SCHEDULES
-from recipes.cli import validation_batch_size  # also importable from here, as before
 
 # Training universes read to measure the input standardization (per-channel mean, std).
 STANDARDIZATION_FILES = 32
@@ -104,12 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def split_files(paths: Sequence[str], validation_fraction: float) -> tuple[list, list]:
-    """Sorted universe files -> (train, validation), as `recipes.cli.split_files`.
+    """Sorted universe files -> (train, validation), as `recipes.training.split_files`.
 
     Raises:
         recipes.cli.BadArgument: with fewer than two files.
     """
-    return cli.split_files(paths, validation_fraction, remedy="write more universes")
+    return training.split_files(paths, validation_fraction, remedy="write more universes")
 
 
 def input_statistics(dataset, count: int = None) -> tuple[list, list]:
@@ -150,12 +149,12 @@ def _read_labels(paths: Sequence[str]):
 def run(args: argparse.Namespace) -> dict:
     rank0 = cli.rank_from_environment() == 0
     data_dir = args.data
-    paths = cli.find_data_files(data_dir, "univ_*.h5", "tools/write_universes.py")
+    paths = training.find_data_files(data_dir, "univ_*.h5", "tools/write_universes.py")
     train_paths, val_paths = split_files(paths, args.validation_fraction)
 
     import numpy as np
 
-    strategy = cli.spatial_strategy(args.spatial, args.batch_size)
+    strategy = training.spatial_strategy(args.spatial, args.batch_size)
     import keras
 
     import keras_spatial as ks
@@ -190,7 +189,7 @@ def run(args: argparse.Namespace) -> dict:
     size = shape[0]
 
     keras.utils.set_random_seed(args.seed)
-    val_batch, exact = validation_batch_size(len(val_paths), args.batch_size, strategy.data_size)
+    val_batch, exact = training.validation_batch_size(len(val_paths), args.batch_size, strategy.data_size)
     augment = None if args.augment == "none" else args.augment
     train_ds = strategy.distribute_dataset(train_files, batch_size=args.batch_size, shuffle=True,
                                            seed=args.seed, drop_remainder=True, augment=augment)
@@ -245,7 +244,7 @@ def run(args: argparse.Namespace) -> dict:
     strategy.barrier()
 
     model_path = os.path.join(out, "model.keras")
-    hist, epoch_times, fit_seconds = cli.fit(model, strategy, train_ds, val_ds, args.epochs, model_path)
+    hist, epoch_times, fit_seconds = training.fit(model, strategy, train_ds, val_ds, args.epochs, model_path)
     strategy.barrier()
 
     summary = {}
@@ -273,9 +272,9 @@ def run(args: argparse.Namespace) -> dict:
             "dropout": dropout, "batch_norm": args.batch_norm, "head": args.head,
             "schedule": args.schedule, "optimizer": optimizer_text, "augment": augment,
             "gather_before_block": gather_before_block,
-            **cli.run_config(args, strategy, val_batch, train_paths, val_paths, model),
+            **training.run_config(args, strategy, val_batch, train_paths, val_paths, model),
         }
-        record = cli.write_history(out, hist, summary, config, (("loss", "MSE"), ("mae", "MAE")))
+        record = training.write_history(out, hist, summary, config, (("loss", "MSE"), ("mae", "MAE")))
         per_step = (
             f"{min(epoch_times[1:]) / steps:.2f} s/training step (epochs after the first, incl. "
             "validation)" if len(epoch_times) > 1 else f"{epoch_times[0]:.1f} s first epoch"

@@ -38,7 +38,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from recipes import atomic_h5_file, check_seed, sample_rng
+from recipes.writing import atomic_h5_file, check_seed, sample_rng
 
 PARAMETER_NAMES = ("omega_m", "sigma_8", "n_s", "h")
 PARAMETER_RANGES = ((0.25, 0.35), (0.7, 0.9), (0.9, 1.0), (0.6, 0.8))

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from recipes import atomic_h5_file, check_seed, sample_rng
+from recipes.writing import atomic_h5_file, check_seed, sample_rng
 
 NUM_CLASSES = 3
 CLASS_NAMES = ("background", "class_1", "class_2")

@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from recipes import cli
+from recipes import cli, training
 
 FILE_PATTERN = "seg_*.h5"
 PREDICTIONS_DIR = "predictions"
@@ -82,12 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def split_files(paths: Sequence[str], validation_fraction: float) -> tuple[list, list]:
-    """Sorted segmentation files -> (train, validation), as `recipes.cli.split_files`.
+    """Sorted segmentation files -> (train, validation), as `recipes.training.split_files`.
 
     Raises:
         recipes.cli.BadArgument: with fewer than two files.
     """
-    return cli.split_files(
+    return training.split_files(
         paths, validation_fraction,
         remedy="write the data with a smaller --per-file so that there are several files",
     )
@@ -116,7 +116,7 @@ def write_predictions(model, strategy, paths: Sequence[str], out_dir: str,
         (zeros on the other ranks).
     """
     import keras_spatial as ks
-    from recipes import atomic_h5_file
+    from recipes.writing import atomic_h5_file
     from recipes.unet3d.model import confusion_matrix
 
     groups, group = strategy.data_size, strategy.data_index
@@ -204,10 +204,10 @@ def run(args: argparse.Namespace) -> dict:
         cli.BadArgument: for arguments or data that cannot be used (on every rank).
     """
     rank0 = cli.rank_from_environment() == 0
-    paths = cli.find_data_files(args.data, FILE_PATTERN, "tools/write_segmentation.py")
+    paths = training.find_data_files(args.data, FILE_PATTERN, "tools/write_segmentation.py")
     train_paths, val_paths = split_files(paths, args.validation_fraction)
 
-    strategy = cli.spatial_strategy(args.spatial, args.batch_size)
+    strategy = training.spatial_strategy(args.spatial, args.batch_size)
     import keras
 
     import keras_spatial as ks
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> dict:
         classes = int(f.attrs.get("num_classes", NUM_CLASSES))
 
     keras.utils.set_random_seed(args.seed)
-    val_batch, exact = cli.validation_batch_size(len(val_files), args.batch_size, strategy.data_size)
+    val_batch, exact = training.validation_batch_size(len(val_files), args.batch_size, strategy.data_size)
     try:
         train_ds = strategy.distribute_dataset(train_files, batch_size=args.batch_size,
                                                shuffle=True, seed=args.seed, drop_remainder=True)
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> dict:
     strategy.barrier()
 
     model_path = os.path.join(out, "model.keras")
-    hist, epoch_times, fit_seconds = cli.fit(model, strategy, train_ds, val_ds, args.epochs, model_path)
+    hist, epoch_times, fit_seconds = training.fit(model, strategy, train_ds, val_ds, args.epochs, model_path)
 
     predictions_dir = os.path.join(out, PREDICTIONS_DIR)
     start = time.perf_counter()
@@ -305,9 +305,9 @@ def run(args: argparse.Namespace) -> dict:
             "data": os.path.abspath(args.data), "shape": list(shape), "classes": classes,
             "depth": args.depth, "base_filters": args.base_filters,
             "batch_norm": args.batch_norm,
-            **cli.run_config(args, strategy, val_batch, train_paths, val_paths, model),
+            **training.run_config(args, strategy, val_batch, train_paths, val_paths, model),
         }
-        record = cli.write_history(out, hist, summary, config,
+        record = training.write_history(out, hist, summary, config,
                                    (("loss", "cross-entropy"), ("dice", "mean foreground Dice")),
                                    predictions=prediction_files)
         print(f"final validation Dice: {_dice_text(val_dice)}"
