@@ -13,7 +13,7 @@ from tests.distributed.launcher import horovod_or_skip, run_on_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-EXTRA_CASES = ("bn-renorm", "bn-replicated-spatial-stats")  # on the 2-data-group mesh only
+EXTRA_CASES = ("bn-renorm", "bn-replicated-spatial-stats", "bn-masked-spatial-stats")  # on the 2-data-group mesh only
 ALL_CASES = tuple(REPLICATED_CASES) + tuple(c for c in BN_CASES if c not in EXTRA_CASES)
 # (spatial_shape, cases) per world size. (1, 1, 1) on 2 ranks: pure data parallelism,
 # where only batch normalization communicates. The last 4-rank mesh has 2 data groups of

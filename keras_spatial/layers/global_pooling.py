@@ -1,13 +1,10 @@
 """Global 3D pooling over a volume split across the ranks of a spatial group."""
 
 import keras
-import tensorflow as tf
 from keras import ops
 
-from keras_spatial import comm
 from keras_spatial.layers.spatial_window import active_spatial_strategy, check_channels_last
-
-_SPATIAL_AXES = (1, 2, 3)
+from keras_spatial.ops.global_reductions import global_max, global_mean
 
 
 def _keep_or_drop_dims(pooled, keepdims):
@@ -60,8 +57,7 @@ class SpatialGlobalAveragePooling3D(keras.layers.GlobalAveragePooling3D):
         strategy = active_spatial_strategy()
         if strategy is None:
             return super().call(inputs)
-        local_mean = ops.mean(inputs, axis=_SPATIAL_AXES, keepdims=True)
-        pooled = strategy.allreduce(local_mean, op="average", group="spatial")
+        pooled = global_mean(inputs, strategy.spatial_process_set)
         return _keep_or_drop_dims(pooled, self.keepdims)
 
 
@@ -109,34 +105,5 @@ class SpatialGlobalMaxPooling3D(keras.layers.GlobalMaxPooling3D):
         strategy = active_spatial_strategy()
         if strategy is None:
             return super().call(inputs)
-        return _keep_or_drop_dims(global_max(inputs, strategy), self.keepdims)
-
-
-def global_max(x, strategy):
-    """Max over the spatial axes of the whole volume, `(batch, 1, 1, 1, channels)`.
-
-    Forward: local max, gathered over the spatial group, max of the gathered values.
-    Backward (adjoint, as `tf.reduce_max`'s gradient on the whole volume): upstream
-    gradients summed over the spatial group, divided equally among all voxels of the
-    global volume equal to the maximum.
-    """
-
-    @tf.custom_gradient
-    def _global_max(local):
-        local_max = tf.reduce_max(local, axis=_SPATIAL_AXES, keepdims=True)
-        per_rank = strategy.gather(local_max)  # (batch, sd, sh, sw, channels)
-        maximum = tf.reduce_max(per_rank, axis=_SPATIAL_AXES, keepdims=True)
-        attains = tf.cast(tf.equal(local, maximum), local.dtype)
-        count = strategy.allreduce(
-            tf.reduce_sum(attains, axis=_SPATIAL_AXES, keepdims=True), "sum", "spatial"
-        )
-        mark = comm.mark_forward(maximum)
-
-        def grad(upstream):
-            with comm.backward_of(mark, strategy.spatial_process_set):
-                total = strategy.allreduce(upstream, "sum", "spatial")
-            return attains / count * total
-
-        return maximum, grad
-
-    return _global_max(x)
+        pooled = global_max(inputs, strategy.spatial_process_set)
+        return _keep_or_drop_dims(pooled, self.keepdims)

@@ -6,6 +6,7 @@ import tensorflow as tf
 from keras_spatial import comm
 from keras_spatial.errors import SpatialNotSupportedError
 from keras_spatial.context import get_strategy
+from keras_spatial.ops.batch_norm_moments import global_moments
 
 
 @keras.saving.register_keras_serializable(package="keras_spatial")
@@ -50,8 +51,7 @@ class SpatialBatchNormalization(keras.layers.BatchNormalization):
         Same as the input (LOCAL if the input is a shard).
 
     Raises:
-        SpatialNotSupportedError: at build time if `axis` is not the last axis; in a
-            training call across ranks, if a mask is given.
+        SpatialNotSupportedError: at build time if `axis` is not the last axis.
 
     Example:
     ```python
@@ -93,13 +93,7 @@ class SpatialBatchNormalization(keras.layers.BatchNormalization):
         process_set = self._statistics_process_set()
         if process_set is None:
             return super()._moments(inputs, mask)
-        if mask is not None:
-            raise SpatialNotSupportedError(
-                f"{type(self).__name__} does not support masks when its statistics span "
-                f"several ranks. Received: mask.shape={tuple(mask.shape)}, "
-                f"layer={self.name!r}"
-            )
-        return global_moments(inputs, process_set)
+        return global_moments(inputs, process_set, mask=mask)
 
     def call(self, inputs, training=None, mask=None):
         outputs = super().call(inputs, training=training, mask=mask)
@@ -113,70 +107,3 @@ class SpatialBatchNormalization(keras.layers.BatchNormalization):
             return
         for variable in self.non_trainable_variables:
             variable.assign(strategy.allreduce(variable, "average", "data"))
-
-
-def global_moments(x, process_set):
-    """Per-channel mean and variance of `x` over every element the ranks of
-    `process_set` hold together (all axes but the last).
-
-    Forward: each rank computes its count n_r, mean m_r and sum of squared deviations
-    M_r = sum (x - m_r)^2 (two passes over its own data, as `tf.nn.moments`), and ONE
-    allgather brings every rank's (n_r, m_r, M_r). They are combined as Chan et al.'s
-    parallel algorithm does: mean = sum n_r m_r / N, variance = (sum M_r + sum n_r
-    (m_r - mean)^2) / N. No large sums are subtracted, so the result equals the
-    two-pass moments of the whole batch to float32 rounding, with one collective where
-    a sum followed by a sum of squared deviations from the global mean needs two in a
-    row.
-
-    Backward: as for `tf.nn.moments` on the whole batch (the mean is stopped inside the
-    variance, whose gradient through the mean is zero anyway): d/dx = dmean / N +
-    dvar * 2 (x - mean) / N, where dmean and dvar are the upstream gradients summed
-    over the ranks (every rank's loss uses the same statistics): ONE allreduce-SUM.
-
-    Cost: the allgather carries 2 C + 1 floats per rank (C channels), so it grows with
-    the number of ranks P, where an allreduce of sums would not: 131 KB for P = 64 and
-    C = 256, 2 MB for P = 1024. A single allreduce of sum, sum of squares and count
-    (docs/design.md, "Batch-norm statistics") would stay at 2 C + 1 floats but loses
-    about mean^2 / variance x float32 epsilon of the variance (an estimate: 5e-3
-    relative for a mean of 300 and a standard deviation of 1), which is why it is not
-    used.
-
-    Args:
-        x: a tensor, channels last.
-        process_set: the Horovod process set of the ranks sharing the statistics.
-
-    Returns:
-        (mean, variance), each of shape (channels,).
-    """
-    axes = list(range(len(x.shape) - 1))
-    channels = x.shape[-1]
-
-    @tf.custom_gradient
-    def _moments(inputs):
-        count = tf.cast(tf.reduce_prod(tf.shape(inputs, out_type=tf.int64)[:-1]), inputs.dtype)
-        local_mean = tf.reduce_mean(inputs, axis=axes)
-        local_deviations = tf.reduce_sum(tf.square(inputs - local_mean), axis=axes)
-        local = tf.concat([count[None], local_mean, local_deviations], axis=0)
-        every_rank = comm.allgather(local[None], process_set, name="ks_moments")
-        mark = comm.mark_forward(every_rank)
-        counts = every_rank[:, :1]
-        means = every_rank[:, 1 : 1 + channels]
-        deviations = every_rank[:, 1 + channels :]
-        total = tf.reduce_sum(counts)
-        mean = tf.reduce_sum(counts * means, axis=0) / total
-        spread = tf.reduce_sum(counts * tf.square(means - mean), axis=0)
-        variance = (tf.reduce_sum(deviations, axis=0) + spread) / total
-
-        def grad(upstream_mean, upstream_variance):
-            upstream = [
-                tf.zeros_like(mean) if g is None else g
-                for g in (upstream_mean, upstream_variance)
-            ]
-            with comm.backward_of(mark, process_set):
-                summed = comm.allreduce(tf.concat(upstream, axis=0), process_set, name="grad")
-            d_mean, d_variance = summed[:channels], summed[channels:]
-            return d_mean / total + d_variance * (2.0 / total) * (inputs - mean)
-
-        return (mean, variance), grad
-
-    return _moments(x)

@@ -1,7 +1,10 @@
 """Differentiable spatial operations: halo exchange, convolution and pooling of exchanged
-halos, gather."""
+halos, global reductions, batch-norm moments, gather."""
 
+from keras_spatial.ops.batch_norm_moments import global_moments
 from keras_spatial.ops.gather import gather_volume
+from keras_spatial.ops.global_reductions import global_max
+from keras_spatial.ops.global_reductions import global_mean
 from keras_spatial.ops.halo_convolution import boundary_plane_axis
 from keras_spatial.ops.halo_convolution import convolve_halo_parts
 from keras_spatial.ops.halo_convolution import convolve_with_boundary_planes
@@ -24,6 +27,9 @@ __all__ = [
     "extend_axis",
     "extend_to_halo",
     "gather_volume",
+    "global_max",
+    "global_mean",
+    "global_moments",
     "in_place_layout",
     "pool_shard_in_place",
     "slice_axis",

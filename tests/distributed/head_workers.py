@@ -46,11 +46,15 @@ BN_CASES = {
     "bn-spatial-stats": {"synchronized": False, "momentum": 0.8},
     "bn-noscale-eps": {"scale": False, "epsilon": 1e-2, "momentum": 0.5},
     "bn-renorm": {"renorm": True, "renorm_momentum": 0.7, "momentum": 0.6},
+    # Called with a mask selecting about 60% of the positions (MASKED_CASES).
+    "bn-masked": {"momentum": 0.9},
+    "bn-masked-spatial-stats": {"synchronized": False, "momentum": 0.8},
     # A (batch, features) tensor replicated on the spatial group, as after SpatialFlatten.
     "bn-replicated": {"momentum": 0.7},
     "bn-replicated-spatial-stats": {"synchronized": False, "momentum": 0.7},
 }
 REPLICATED_FEATURES = 5
+MASKED_CASES = ("bn-masked", "bn-masked-spatial-stats")
 
 
 def _layer_class(name):
@@ -153,6 +157,8 @@ def check_batch_norm(strategy, case, graph) -> dict:
     replicated = case.startswith("bn-replicated")
     features = REPLICATED_FEATURES if replicated else None
     x, rng = _global_input(strategy, seed=11 + len(case), features=features)
+    # Positions that count (True) or not; None: the layer is called without a mask.
+    mask = rng.random(x.shape[:-1]) < 0.6 if case in MASKED_CASES else None
     with strategy.scope():
         layer = SpatialBatchNormalization(**BN_CASES[case])
         if replicated:
@@ -172,18 +178,21 @@ def check_batch_norm(strategy, case, graph) -> dict:
     cotangent = rng.standard_normal(x.shape).astype("float32")
     outputs_global = float(cotangent.size)
 
-    def reference_step(reference, x_part, cot_part, training):
+    def reference_step(reference, x_part, cot_part, training, mask_part=None):
         with tf.GradientTape(persistent=True) as tape:
             tape.watch(x_part)
-            y = reference(x_part, training=training)
+            y = reference(x_part, training=training, mask=mask_part)
             loss = tf.reduce_sum(y * cot_part)
             mean_loss = loss / outputs_global
         return y, tape.gradient(loss, x_part), tape.gradient(mean_loss, reference.trainable_weights)
 
-    def step(x_local, cot_local, training):
+    def step(x_local, cot_local, training, mask_local=None):
         with tf.GradientTape(persistent=True) as tape:
             tape.watch(x_local)
-            y = model(x_local, training=training)
+            if mask_local is None:
+                y = model(x_local, training=training)
+            else:
+                y = layer(x_local, training=training, mask=mask_local)
             loss = tf.reduce_sum(y * cot_local) / loss_share
             mean_loss = loss / outputs_global
         return y, tape.gradient(loss, x_local), tape.gradient(mean_loss, model.trainable_weights)
@@ -191,6 +200,7 @@ def check_batch_norm(strategy, case, graph) -> dict:
     result = {}
     x_local = tf.constant(local_part(x))
     cot_local = tf.constant(local_part(cotangent))
+    mask_local = None if mask is None else tf.constant(local_part(mask[..., None])[..., 0])
     for training in (True, False):
         mode = "train" if training else "infer"
         expected_y, expected_dx, expected_dw, moving = [], [], None, []
@@ -200,7 +210,8 @@ def check_batch_norm(strategy, case, graph) -> dict:
             reference.build(x.shape)
             reference.set_weights(weights)
             y_ref, dx_ref, dw_ref = _maybe_function(reference_step, graph)(
-                reference, tf.constant(x[rows]), tf.constant(cotangent[rows]), training
+                reference, tf.constant(x[rows]), tf.constant(cotangent[rows]), training,
+                None if mask is None else tf.constant(mask[rows]),
             )
             expected_y.append(y_ref.numpy())
             expected_dx.append(dx_ref.numpy())
@@ -209,7 +220,7 @@ def check_batch_norm(strategy, case, graph) -> dict:
             moving.append([w.numpy() for w in reference.non_trainable_weights])
         expected_y, expected_dx = np.concatenate(expected_y), np.concatenate(expected_dx)
         layer.set_weights(weights)
-        y, dx, dw = _maybe_function(step, graph)(x_local, cot_local, training)
+        y, dx, dw = _maybe_function(step, graph)(x_local, cot_local, training, mask_local)
         dw = [strategy.world_sum(g).numpy() for g in dw]
         if replicated:
             dx = strategy.allreduce(dx, "sum", "spatial")
