@@ -49,11 +49,14 @@ overlap to bound what overlap would give), mixed precision, recomputation.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from typing import Any, Optional, Sequence
 
 import keras
 
+from keras_spatial.hardware_profiles import PROFILES
 from keras_spatial.layers.gather import SpatialGather
 from keras_spatial.layers.global_pooling import SpatialGlobalAveragePooling3D, SpatialGlobalMaxPooling3D
 from keras_spatial.layers.normalization import SpatialBatchNormalization
@@ -445,15 +448,19 @@ def model_costs(
     *,
     world_size: Optional[int] = None,
     batch_size: int = 1,
+    rows: Optional[Sequence[dict]] = None,
 ) -> list[LayerCost]:
     """Per-layer costs of one training step on one rank of a layout.
 
     Args:
         model_or_builder: a functional model built with NO spatial strategy (global
-            shapes), or a function of no arguments returning one.
+            shapes), or a function of no arguments returning one; or, with `rows`, a
+            model built under a strategy of this layout (local shapes).
         spatial_shape: shards along (depth, height, width).
         world_size: ranks in the world. Defaults to the spatial size (one data group).
         batch_size: samples per rank (the per-data-group batch). Defaults to 1.
+        rows: the layout plan of the model on this layout (`keras_spatial.plan.summary`
+            or `plan_for_mesh` rows). Defaults to `plan_for_mesh` of the model.
 
     Returns:
         One `LayerCost` per layer, in model order.
@@ -473,8 +480,11 @@ def model_costs(
     spatial_shape = tuple(int(s) for s in spatial_shape)
     mesh = Mesh(world_size=world_size or math.prod(spatial_shape), spatial_shape=spatial_shape)
     model = model_or_builder if isinstance(model_or_builder, keras.Model) else model_or_builder()
-    rows = iter(plan_for_mesh(model, spatial_shape, 0, world_size=mesh.world_size, batch_size=batch_size))
+    if rows is None:
+        rows = plan_for_mesh(model, spatial_shape, 0, world_size=mesh.world_size, batch_size=batch_size)
+    rows = iter(rows)
     split: dict[int, bool] = {}  # tensor id -> sharded
+    local_of: dict[int, tuple] = {}  # tensor id -> local shape without the batch axis
     needs_grad: dict[int, bool] = {}  # tensor id -> depends on a trainable weight
     costs = []
     for layer in model.layers:
@@ -482,12 +492,14 @@ def model_costs(
         outputs = _tensors(layer.output)
         layer_rows = [next(rows) for _ in outputs]
         row = layer_rows[0]
-        in_local = [_local(tuple(t.shape[1:]), split.get(id(t), False), spatial_shape) for t in inputs]
+        in_local = [local_of[id(t)] if id(t) in local_of
+                    else _local(tuple(t.shape[1:]), split.get(id(t), False), spatial_shape) for t in inputs]
         out_local = tuple(row["local_shape"])
         params = sum(_elements(w.shape) for w in layer.trainable_weights)
         input_grad = any(needs_grad.get(id(t), False) for t in inputs)
         for tensor, out_row in zip(outputs, layer_rows):
             split[id(tensor)] = out_row["split"] == "sharded"
+            local_of[id(tensor)] = tuple(out_row["local_shape"])
             needs_grad[id(tensor)] = input_grad or params > 0
         forward, backward = _compute_flops(layer, in_local, out_local, input_grad)
         exchanges = ()
@@ -631,6 +643,46 @@ def compute_time(flops: int, memory_bytes: int, hardware: Hardware) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerTime:
+    """Predicted time of one layer in one training step (forward + backward), s.
+
+    Attributes:
+        name, type: the layer's.
+        compute: roofline compute of both passes plus `Hardware.op_overhead` per pass.
+        halo: halo exchange of both passes (the backward one only when the input
+            gradient is computed).
+        collectives: the layer's own collectives (gathers, global pooling, batch-norm
+            statistics) of both passes.
+        memory: the layer's activation memory per rank, bytes.
+    """
+
+    name: str
+    type: str
+    compute: float
+    halo: float
+    collectives: float
+    memory: int
+
+    @property
+    def total(self) -> float:
+        """compute + halo + collectives (no overlap)."""
+        return self.compute + self.halo + self.collectives
+
+
+def layer_time(cost: LayerCost, mesh: Mesh, hardware: Hardware, collectives: str = "ring") -> LayerTime:
+    """The predicted `LayerTime` of one layer's `LayerCost` on `mesh` and `hardware`."""
+    overhead = hardware.op_overhead if cost.forward_flops or cost.forward_bytes else 0.0
+    compute = (compute_time(cost.forward_flops, cost.forward_bytes, hardware)
+               + compute_time(cost.backward_flops, cost.backward_bytes, hardware)
+               + overhead * (2 if cost.backward_bytes else 1))
+    exchange = exchange_time(cost, mesh, hardware)
+    halo = exchange + (exchange if cost.input_gradient else 0.0)
+    communication = sum(collective_time(c, mesh, hardware, collectives)
+                        for c in cost.forward_collectives + cost.backward_collectives)
+    return LayerTime(cost.name, cost.type, compute, halo, communication, cost.activation_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPrediction:
     """Predicted training step on one layout.
 
@@ -748,22 +800,15 @@ def predict_step(
     compute = replicated = halo = layer_collectives = 0.0
     halo_bytes = 0
     for cost in costs:
-        exchange = exchange_time(cost, mesh, hardware)
-        overhead = hardware.op_overhead if cost.forward_flops or cost.forward_bytes else 0.0
-        layer_compute = (compute_time(cost.forward_flops, cost.forward_bytes, hardware)
-                         + compute_time(cost.backward_flops, cost.backward_bytes, hardware)
-                         + overhead * (2 if cost.backward_bytes else 1))
-        backward_exchange = exchange if cost.input_gradient else 0.0
-        compute += layer_compute
+        times = layer_time(cost, mesh, hardware, collectives)
+        compute += times.compute
         if cost.split == "replicated":
-            replicated += layer_compute
-        layer_halo = exchange + backward_exchange
-        halo += max(layer_halo - layer_compute, 0.0) if overlap_halo else layer_halo
+            replicated += times.compute
+        halo += max(times.halo - times.compute, 0.0) if overlap_halo else times.halo
         if cost.exchanges:
             busiest = max(cost.halo_bytes(i) for i in range(len(cost.exchanges)))
             halo_bytes += busiest * (2 if cost.input_gradient else 1)
-        for collective in cost.forward_collectives + cost.backward_collectives:
-            layer_collectives += collective_time(collective, mesh, hardware, collectives)
+        layer_collectives += times.collectives
     gradients = sum(collective_time(c, mesh, hardware, collectives) for c in gradient_collectives(costs, mesh))
     metric = collective_time(Collective("allreduce", "world", 2 * BYTES_PER_ELEMENT, "metrics"), mesh, hardware,
                              collectives)
@@ -808,8 +853,11 @@ class LayoutChoice:
         data_groups: world size / spatial size.
         prediction: its `StepPrediction`.
         candidates: the `StepPrediction` of every layout that fits, fastest first.
-        rejected: ((spatial_shape, reason), ...) of the layouts that do not.
+        rejected: ((spatial_shape, reason), ...) of the layouts that do not (with the
+            model variant's label in front of the reason when several were given).
         explanation: the choice in words.
+        variant: the label of the chosen model variant when `auto_layout` was given a
+            dict of them, else None.
     """
 
     spatial_shape: tuple
@@ -818,6 +866,7 @@ class LayoutChoice:
     candidates: tuple
     rejected: tuple
     explanation: str
+    variant: Any = None
 
 
 def _gib(count: float) -> str:
@@ -834,6 +883,20 @@ def _describe(p: StepPrediction) -> str:
             f"{p.halo * 1e3:.3f}, layer collectives {p.layer_collectives * 1e3:.3f}, gradient "
             f"allreduce {p.gradient_allreduce * 1e3:.3f}, optimizer {p.optimizer * 1e3:.3f} ms), "
             f"memory {_gib(p.memory)}")
+
+
+def _rejections(rejected: Sequence[tuple], memory: dict) -> str:
+    """The rejected layouts in a few words: how many and the nearest miss of each kind."""
+    over = [(memory[index], shape) for index, (shape, reason) in enumerate(rejected) if index in memory]
+    misaligned = [(shape, reason) for index, (shape, reason) in enumerate(rejected) if index not in memory]
+    parts = []
+    if over:
+        need, shape = min(over, key=lambda item: item[0])
+        parts.append(f"{len(over)} over the memory limit (the smallest, {shape}, needs {_gib(need)} per rank)")
+    if misaligned:
+        shape, reason = misaligned[0]
+        parts.append(f"{len(misaligned)} not aligned (e.g. {shape}: {reason.splitlines()[0][:160]})")
+    return "; ".join(parts)
 
 
 def auto_layout(
@@ -857,7 +920,9 @@ def auto_layout(
 
     Args:
         model_or_builder: a model built with no spatial strategy, or a function of no
-            arguments returning one.
+            arguments returning one; or a dict {label: model or function} of variants
+            of the model (e.g. where its spatial split stops: CosmoFlow's
+            `gather_before_block`), every one tried with every layout.
         world_size: ranks in the world.
         hardware: the machine (`Hardware`).
         memory_limit: bytes per rank. Defaults to `hardware.memory_capacity`.
@@ -870,8 +935,8 @@ def auto_layout(
         A `LayoutChoice`.
 
     Raises:
-        ValueError: if no layout fits (the message lists why each failed), or for a bad
-            argument.
+        ValueError: if no layout fits (the message counts the rejected layouts and names
+            the nearest miss of each kind), or for a bad argument.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"`world_size` must be a positive integer. Received: world_size={world_size!r}")
@@ -882,45 +947,121 @@ def auto_layout(
     limit = hardware.memory_capacity if memory_limit is None else memory_limit
     if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
         raise ValueError(f"`memory_limit` must be a positive number of bytes. Received: memory_limit={memory_limit!r}")
-    model = model_or_builder if isinstance(model_or_builder, keras.Model) else model_or_builder()
+    variants = model_or_builder if isinstance(model_or_builder, dict) else {None: model_or_builder}
+    if not variants:
+        raise ValueError("`model_or_builder` is an empty dict: give at least one model variant.")
     largest = world_size if max_spatial_size is None else min(world_size, max_spatial_size)
-    fitting, rejected = [], []
-    for size in range(1, largest + 1):
-        if world_size % size or global_batch % (world_size // size):
-            continue
-        for shape in spatial_shapes(size):
-            try:
-                costs = model_costs(model, shape, world_size=world_size,
-                                    batch_size=global_batch // (world_size // size))
-            except ValueError as error:
-                rejected.append((shape, f"not aligned: {error}"))
+    fitting, rejected, memory = [], [], {}
+    for label, variant in variants.items():
+        model = variant if isinstance(variant, keras.Model) else variant()
+        prefix = "" if label is None else f"{label}: "
+        for size in range(1, largest + 1):
+            if world_size % size or global_batch % (world_size // size):
                 continue
-            prediction = predict_step(costs, shape, world_size, global_batch, hardware,
-                                      overlap_halo=overlap_halo, collectives=collectives)
-            if prediction.memory > limit:
-                rejected.append((shape, f"memory {_gib(prediction.memory)} > limit {_gib(limit)}"))
-            else:
-                fitting.append(prediction)
+            for shape in spatial_shapes(size):
+                try:
+                    costs = model_costs(model, shape, world_size=world_size,
+                                        batch_size=global_batch // (world_size // size))
+                except ValueError as error:
+                    rejected.append((shape, f"{prefix}not aligned: {error}"))
+                    continue
+                prediction = predict_step(costs, shape, world_size, global_batch, hardware,
+                                          overlap_halo=overlap_halo, collectives=collectives)
+                if prediction.memory > limit:
+                    memory[len(rejected)] = prediction.memory
+                    rejected.append((shape, f"{prefix}memory {_gib(prediction.memory)} > limit {_gib(limit)}"))
+                else:
+                    fitting.append((prediction, label))
     if not fitting:
-        reasons = "; ".join(f"{shape}: {reason.splitlines()[0][:200]}" for shape, reason in rejected)
         raise ValueError(
             f"No layout of {world_size} ranks with a global batch of {global_batch} fits in "
-            f"{_gib(limit)} per rank. Rejected: {reasons or 'no spatial size divides the world and the batch'}"
+            f"{_gib(limit)} per rank. Rejected: "
+            f"{_rejections(rejected, memory) or 'no spatial size divides the world and the batch'}."
         )
-    fitting.sort(key=lambda p: (p.step, math.prod(p.spatial_shape), tuple(-s for s in p.spatial_shape)))
-    best = fitting[0]
-    explanation = f"Chosen: {_describe(best)}, limit {_gib(limit)}. {len(fitting)} layout(s) fit, {len(rejected)} rejected"
-    misaligned = sum(reason.startswith("not aligned") for _, reason in rejected)
-    explanation += f" ({misaligned} not aligned, {len(rejected) - misaligned} over memory)."
+    fitting.sort(key=lambda item: (item[0].step, math.prod(item[0].spatial_shape),
+                                   tuple(-s for s in item[0].spatial_shape)))
+    best, label = fitting[0]
+    chosen = "" if label is None else f" ({label})"
+    explanation = (f"Chosen{chosen}: {_describe(best)}, limit {_gib(limit)}. {len(fitting)} layout(s) fit, "
+                   f"{len(rejected)} rejected")
+    explanation += f" ({_rejections(rejected, memory)})." if rejected else "."
     if len(fitting) > 1:
-        explanation += f" Next: {_describe(fitting[1])}."
-    return LayoutChoice(best.spatial_shape, best.data_groups, best, tuple(fitting), tuple(rejected), explanation)
+        runner, runner_label = fitting[1]
+        explanation += f" Next{'' if runner_label is None else f' ({runner_label})'}: {_describe(runner)}."
+    return LayoutChoice(best.spatial_shape, best.data_groups, best, tuple(p for p, _ in fitting),
+                        tuple(rejected), explanation, label)
+
+
+def as_hardware(hardware: Any) -> Hardware:
+    """`hardware` as a `Hardware`.
+
+    Args:
+        hardware: a `Hardware`; a dict of its fields (`Hardware.from_dict`); the name of a
+            profile of `keras_spatial.hardware_profiles.PROFILES` ("lassen", "h100"); or
+            the path of a JSON file holding such a dict.
+
+    Raises:
+        ValueError: for anything else, an unreadable file, or a bad description (naming
+            the field).
+    """
+    if isinstance(hardware, Hardware):
+        return hardware
+    if isinstance(hardware, dict):
+        return Hardware.from_dict(hardware)
+    if isinstance(hardware, (str, os.PathLike)):
+        if str(hardware) in PROFILES:
+            return Hardware(**PROFILES[str(hardware)])
+        if not os.path.isfile(hardware):
+            raise ValueError(
+                f"`hardware` {str(hardware)!r} is neither a profile ({sorted(PROFILES)}) "
+                "nor an existing JSON file."
+            )
+        try:
+            with open(hardware) as handle:
+                description = json.load(handle)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"Cannot read the hardware description {str(hardware)!r}: {error}") from None
+        return Hardware.from_dict(description)
+    raise ValueError(
+        "`hardware` must be a keras_spatial.cost_model.Hardware, a dict of its fields, a profile "
+        f"name or a JSON file. Received: hardware={hardware!r}"
+    )
+
+
+def format_predictions(costs: Sequence[LayerCost], mesh: Mesh, hardware: Hardware,
+                       global_batch: int, collectives: str = "ring") -> str:
+    """Predicted time and memory per layer and the step total, as a text table.
+
+    Args:
+        costs: `model_costs` of the layout.
+        mesh: the layout.
+        hardware: the machine.
+        global_batch: samples per step over the world.
+        collectives: as for `predict_step`. Defaults to "ring".
+    """
+    prediction = predict_step(list(costs), mesh.spatial_shape, mesh.world_size, global_batch,
+                              hardware, collectives=collectives)
+    columns = ("layer", "type", "compute ms", "halo ms", "collectives ms", "total ms", "memory")
+    table = []
+    for cost in costs:
+        t = layer_time(cost, mesh, hardware, collectives)
+        table.append((t.name, t.type, f"{t.compute * 1e3:.3f}", f"{t.halo * 1e3:.3f}",
+                      f"{t.collectives * 1e3:.3f}", f"{t.total * 1e3:.3f}", _gib(t.memory)))
+    widths = [max(len(c), *(len(r[i]) for r in table)) if table else len(c) for i, c in enumerate(columns)]
+    lines = [f"Predicted on {hardware.name!r} (docs/performance_model.md), global batch {global_batch}, "
+             f"{collectives} collectives, no overlap",
+             "  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines.append("-" * len(lines[-1]))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in table]
+    lines.append(f"Step: {_describe(prediction)}")
+    return "\n".join(lines)
 
 
 __all__ = [
     "ACTIVATION_FLOPS", "ADAM_FLOPS_PER_PARAMETER", "AxisExchange", "BYTES_PER_ELEMENT", "COLLECTIVE_ALGORITHMS",
     "Collective",
-    "ELEMENTWISE_FLOPS", "Hardware", "LayerCost", "LayoutChoice", "StepPrediction", "auto_layout",
-    "collective_time", "compute_time", "exchange_time", "gradient_collectives", "group_ranks",
+    "ELEMENTWISE_FLOPS", "Hardware", "LayerCost", "LayerTime", "LayoutChoice", "StepPrediction", "auto_layout",
+    "collective_time", "compute_time", "exchange_time", "format_predictions", "gradient_collectives", "group_ranks",
+    "layer_time", "as_hardware",
     "memory_per_rank", "model_costs", "predict_step", "ring_time", "spatial_shapes",
 ]

@@ -19,6 +19,10 @@ from keras_spatial.mesh import Mesh
 from keras_spatial.ops.gather import gather_volume
 from keras_spatial.optimizer import DistributedOptimizer
 from keras_spatial.optimizer import broadcast_variables
+from keras_spatial.cost_model import as_hardware
+from keras_spatial.cost_model import format_predictions
+from keras_spatial.cost_model import model_costs
+from keras_spatial.plan import format_plan
 from keras_spatial.plan import summary
 from keras_spatial.spatialize import spatialize
 
@@ -275,9 +279,36 @@ class SpatialStrategy:
         """Give every rank rank `root`'s values of `variables` (e.g. `model.variables`)."""
         broadcast_variables(variables, self, root)
 
-    def summary(self, model, print_fn=print) -> list:
-        """Print the layout plan of `model` on this mesh; see `keras_spatial.plan`."""
-        return summary(model, self, print_fn=print_fn)
+    def summary(self, model, print_fn=print, *, hardware=None, batch_size: int = 1) -> list:
+        """Print the layout plan of `model` on this mesh; return its rows.
+
+        Args:
+            model: a functional model built inside `self.scope()`, or with no spatial
+                strategy (then the layout is checked before anything is computed).
+            print_fn: called with the formatted text. Defaults to `print`.
+            hardware: a machine to predict on: a `keras_spatial.cost_model.Hardware`, a
+                dict of its fields, a profile name of
+                `keras_spatial.hardware_profiles.PROFILES` or a JSON file. When given,
+                the predicted time and memory of every layer and the step follow the
+                plan (`keras_spatial.cost_model.format_predictions`). Defaults to None.
+            batch_size: samples per rank. Defaults to 1.
+
+        Returns:
+            The plan rows (`keras_spatial.plan.summary`).
+
+        Raises:
+            ValueError: for a layout the mesh cannot serve, or a bad hardware description.
+        """
+        machine = None if hardware is None else as_hardware(hardware)
+        rows = summary(model, self, print_fn=None, batch_size=batch_size)
+        text = format_plan(rows, self.mesh, self.rank, batch_size)
+        if machine is not None:
+            costs = model_costs(model, self.spatial_shape, world_size=self.size,
+                                batch_size=batch_size, rows=rows)
+            text += "\n" + format_predictions(costs, self.mesh, machine, batch_size * self.data_size)
+        if print_fn is not None:
+            print_fn(text)
+        return rows
 
     def spatialize(self, model):
         """The spatial model of a plain Keras 3D model on this mesh, with its weights;

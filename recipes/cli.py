@@ -32,6 +32,7 @@ from typing import Callable, Optional, Sequence
 EXIT_BAD_ARGUMENT = 2
 # Environment variables holding this process's rank (Horovod, Open MPI, MPICH/Intel MPI).
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
 class BadArgument(Exception):
@@ -52,6 +53,18 @@ def rank_from_environment() -> int:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 0
+
+
+def world_size_from_environment() -> int:
+    """Returns the number of ranks the launcher started (1 when not launched).
+
+    Reads the first of `SIZE_VARIABLES` that holds a whole number, so that it works
+    before (or without) Horovod's initialization.
+    """
+    for name in SIZE_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 1
 
 
 # argparse types ------------------------------------------------------------------------
@@ -99,6 +112,15 @@ def spatial_shape(text: str) -> tuple[int, int, int]:
             Received: --spatial 'TEXT'", unless `text` is three positive integers.
     """
     return _spatial_shape(text)
+
+
+def spatial_layout(text: str):
+    """argparse type of `--spatial`: 'auto', or three positive integers D,H,W.
+
+    Returns:
+        "auto", or the shape as for `spatial_shape`.
+    """
+    return "auto" if text.strip().lower() == "auto" else _spatial_shape(text)
 
 
 def positive_int(flag: str) -> Callable[[str], int]:
@@ -189,13 +211,22 @@ def add_data_arguments(parser: argparse.ArgumentParser, pattern: str) -> None:
         pattern: the files read from --data, e.g. 'univ_*.h5' (for its help).
     """
     parser.add_argument("--data", required=True, help=f"directory holding {pattern} files")
-    parser.add_argument("--spatial", type=spatial_shape, default=(1, 1, 1),
+    parser.add_argument("--spatial", type=spatial_layout, default=(1, 1, 1),
                         help="spatial split D,H,W of each sample over the ranks of a group "
-                             "(default 1,1,1); the world size must be a multiple of D*H*W")
+                             "(default 1,1,1); the world size must be a multiple of D*H*W. "
+                             "'auto': the fastest layout that fits --memory-limit on --hardware, "
+                             "predicted by keras_spatial.cost_model")
     parser.add_argument("--batch-size", type=positive_int("--batch-size"), required=True,
                         help="GLOBAL batch (samples per step over all ranks); must be a multiple "
                              "of the number of data groups (world size / D*H*W)")
     parser.add_argument("--epochs", type=positive_int("--epochs"), required=True)
+    parser.add_argument("--hardware", default=None,
+                        help="for --spatial auto (required there): a profile of "
+                             "keras_spatial.hardware_profiles (lassen, h100, ...) or a JSON file of "
+                             "keras_spatial.cost_model.Hardware fields")
+    parser.add_argument("--memory-limit", type=positive_float("--memory-limit"), default=None,
+                        metavar="GIB", help="for --spatial auto: GiB per rank (default: the "
+                                            "hardware's memory)")
 
 
 def add_training_arguments(parser: argparse.ArgumentParser, learning_rate: float,

@@ -1,7 +1,8 @@
 """The training harness of the recipes' trainers, after their arguments are parsed.
 
 - `spatial_strategy`: the strategy of `--spatial` (threads limited when ranks share the
-  machine).
+  machine, `limit_threads`); `choose_layout`: the layout of `--spatial auto`
+  (`keras_spatial.cost_model.auto_layout`).
 - `find_data_files`, `split_files` and `validation_batch_size`: the files of `--data`,
   their split into training and validation files, and the validation batch.
 - `fit`: a timed `model.fit` that saves the model every epoch.
@@ -17,18 +18,37 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
+from recipes import cli
 from recipes.cli import BadArgument
 
 
 # Strategy and training ---------------------------------------------------------------------------------
+def limit_threads() -> None:
+    """When the launcher starts several ranks on this machine (HOROVOD_LOCAL_SIZE > 1),
+    limits this rank's TensorFlow threads to its share of the cores. Call it before
+    TensorFlow runs anything; calling it again does nothing."""
+    global _THREADS_LIMITED
+    if _THREADS_LIMITED:
+        return
+    import tensorflow as tf
+
+    local_size = int(os.environ.get("HOROVOD_LOCAL_SIZE", "1") or 1)
+    if local_size > 1:  # ranks share this machine's cores
+        tf.config.threading.set_intra_op_parallelism_threads(max(1, (os.cpu_count() or 1) // local_size))
+        tf.config.threading.set_inter_op_parallelism_threads(2)
+    _THREADS_LIMITED = True
+
+
+_THREADS_LIMITED = False
+
+
 def spatial_strategy(spatial: Sequence[int], batch_size: int):
     """Returns the `keras_spatial.SpatialStrategy` of `--spatial` for `--batch-size`.
 
-    Call it before building anything with TensorFlow: when the launcher starts several
-    ranks on this machine (HOROVOD_LOCAL_SIZE > 1), it first limits each rank's
-    TensorFlow threads to its share of the cores.
+    Call it (or `choose_layout`) before building anything with TensorFlow: it first
+    limits the threads of ranks that share the machine (`limit_threads`).
 
     Args:
         spatial: the split (D, H, W) of each sample.
@@ -38,12 +58,7 @@ def spatial_strategy(spatial: Sequence[int], batch_size: int):
         BadArgument: if the world cannot be split so, or `batch_size` is not a
             multiple of the number of data groups.
     """
-    import tensorflow as tf
-
-    local_size = int(os.environ.get("HOROVOD_LOCAL_SIZE", "1") or 1)
-    if local_size > 1:  # ranks share this machine's cores
-        tf.config.threading.set_intra_op_parallelism_threads(max(1, (os.cpu_count() or 1) // local_size))
-        tf.config.threading.set_inter_op_parallelism_threads(2)
+    limit_threads()
     import keras_spatial as ks
 
     try:
@@ -57,6 +72,46 @@ def spatial_strategy(spatial: Sequence[int], batch_size: int):
             f"{strategy.spatial_size})"
         )
     return strategy
+
+
+def choose_layout(global_model, batch_size: int, hardware: Optional[str],
+                  memory_limit: Optional[float] = None) -> tuple:
+    """The layout of `--spatial auto`: what `keras_spatial.cost_model.auto_layout`
+    predicts fastest for the launched world (`cli.world_size_from_environment`).
+
+    Prints the choice and why on rank 0. Every rank computes the same choice from the
+    same arguments (pure arithmetic), so no communication is needed.
+
+    Args:
+        global_model: a function of no arguments building the model with no spatial
+            strategy, or a dict {label: such a function} of variants to choose among.
+        batch_size: the global batch.
+        hardware: `--hardware`, a profile name or JSON file (`cost_model.as_hardware`).
+        memory_limit: `--memory-limit`, GiB per rank; None: the hardware's memory.
+
+    Returns:
+        (spatial shape, label of the chosen variant or None).
+
+    Raises:
+        BadArgument: without `hardware`, for a bad hardware description, or when no
+            layout fits.
+    """
+    if hardware is None:
+        raise BadArgument("--spatial auto needs --hardware (a profile such as 'lassen', or a JSON file)")
+    limit_threads()
+    from keras_spatial import cost_model
+
+    world_size = cli.world_size_from_environment()
+    try:
+        machine = cost_model.as_hardware(hardware)
+        choice = cost_model.auto_layout(
+            global_model, world_size, machine,
+            None if memory_limit is None else memory_limit * 2**30, global_batch=batch_size)
+    except ValueError as error:
+        raise BadArgument(f"--spatial auto: {error}") from None
+    if cli.rank_from_environment() == 0:
+        print(f"--spatial auto on {machine.name!r}, {world_size} rank(s): {choice.explanation}", flush=True)
+    return choice.spatial_shape, choice.variant
 
 
 def fit(model, strategy, train_ds, val_ds, epochs: int, model_path: str) -> tuple[dict, list, float]:
@@ -186,7 +241,7 @@ def run_config(args: argparse.Namespace, strategy, validation_batch: int,
         file names and number of parameters, by name.
     """
     return {
-        "spatial": list(args.spatial), "world_size": strategy.size,
+        "spatial": list(strategy.spatial_shape), "world_size": strategy.size,
         "data_groups": strategy.data_size, "batch_size": args.batch_size,
         "validation_batch_size": validation_batch, "epochs": args.epochs,
         "learning_rate": args.learning_rate, "seed": args.seed,

@@ -339,3 +339,170 @@ def test_in_place_pooling_sends_planes_pooled_over_the_other_axes():
     assert [pool.halo_bytes(i) for i in range(2)] == [128, 0]
     assert pool.exchanges[1] == (cm.AxisExchange(0, (), ((0, 128),)),)
     assert pool.forward_flops == 4 * 4 * 4 // 2 * 2 * 27  # 32 outputs per channel x 2 x 27 taps
+
+
+# ---------------------------------------------------------------- summary(hardware=)
+
+
+def offline_strategy(spatial_shape, rank=0):
+    """A SpatialStrategy of any mesh in one process, for symbolic building only."""
+    strategy = ks.SpatialStrategy.__new__(ks.SpatialStrategy)
+    strategy._rank = rank
+    strategy.mesh = Mesh(world_size=math.prod(spatial_shape), spatial_shape=spatial_shape)
+    return strategy
+
+
+def test_summary_with_hardware_prints_the_predicted_times_of_every_layer():
+    strategy = offline_strategy((2, 1, 1))
+    with strategy.scope():
+        local_model = tiny_model()
+    slow = hardware(peak_flops=1e8, memory_bandwidth=1e8)  # milliseconds per layer
+    printed = []
+    strategy.summary(local_model, print_fn=printed.append, hardware=slow, batch_size=2)
+    text = printed[0]
+    assert "Total activation memory per rank" in text and "Predicted on 'test'" in text
+    expected = cm.predict_step(tiny_model, (2, 1, 1), 2, 2, slow)
+    assert f"step {expected.step * 1e3:.3f} ms" in text
+    predictions = text.splitlines()[next(i for i, line in enumerate(text.splitlines())
+                                         if line.startswith("Predicted on")):]
+    costs = cm.model_costs(tiny_model, (2, 1, 1), batch_size=2)
+    for cost in costs:
+        line = next(line for line in predictions if line.startswith(cost.name + " "))
+        total = cm.layer_time(cost, strategy.mesh, slow).total
+        assert line.split()[5] == f"{total * 1e3:.3f}"
+    assert sum(cm.layer_time(c, strategy.mesh, slow).total > 1e-3 for c in costs) >= 2  # both convolutions
+    # A model built with no strategy gives the same prediction.
+    again = []
+    strategy.summary(tiny_model(), print_fn=again.append, hardware=slow, batch_size=2)
+    assert again == printed
+
+
+def test_summary_accepts_profiles_dicts_and_json_files(tmp_path):
+    strategy = offline_strategy((1, 1, 1))
+    for description in ("lassen", cm.dataclasses.asdict(hardware())):
+        printed = []
+        strategy.summary(tiny_model(), print_fn=printed.append, hardware=description)
+        assert "Predicted on" in printed[0]
+    path = tmp_path / "machine.json"
+    path.write_text(cm.json.dumps(cm.dataclasses.asdict(hardware(name="measured"))))
+    printed = []
+    strategy.summary(tiny_model(), print_fn=printed.append, hardware=str(path))
+    assert "Predicted on 'measured'" in printed[0]
+
+
+@pytest.mark.parametrize(
+    "description, message",
+    [
+        ("no-such-machine", "neither a profile"),
+        (3.5, "`hardware` must be a keras_spatial.cost_model.Hardware"),
+        ({"name": "x"}, "missing fields"),
+    ],
+)
+def test_summary_with_a_bad_hardware_description_fails_clearly(description, message):
+    with pytest.raises(ValueError, match=message):
+        offline_strategy((1, 1, 1)).summary(tiny_model(), print_fn=None, hardware=description)
+
+
+def test_a_bad_hardware_file_fails_clearly(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="Cannot read the hardware description"):
+        cm.as_hardware(str(path))
+    path.write_text(cm.json.dumps({**cm.dataclasses.asdict(hardware()), "peak_flops": -1}))
+    with pytest.raises(ValueError, match="`peak_flops` must be positive"):
+        cm.as_hardware(path)
+
+
+# ---------------------------------------------------------------- auto layout of the recipes
+
+
+def cosmoflow_32(gather_before_block=None):
+    from recipes.cosmoflow.model import build_model
+
+    return build_model(32, gather_before_block=gather_before_block)
+
+
+def unet_32():
+    from recipes.unet3d.model import build_model
+
+    return build_model((32, 32, 32, 1), depth=2, base_filters=4, batch_norm=True)
+
+
+def cosmoflow_variants():
+    """The 32^3 CosmoFlow with its split stopping before each of blocks 3-5, or never."""
+    return {g: (lambda g=g: cosmoflow_32(g)) for g in (None, 5, 4, 3)}
+
+
+# A global batch of 2 (1 on one worker) and a limit one byte below the memory of one
+# whole sample on one rank: 1 and 2 workers cannot fit (each rank holds a whole
+# sample's worth), 4, 8 and 64 workers must split every sample.
+@pytest.mark.parametrize("name, build", [("cosmoflow", cosmoflow_variants), ("unet", unet_32)])
+@pytest.mark.parametrize("world", [1, 2, 4, 8, 64])
+def test_auto_layout_of_the_recipes_splits_under_a_memory_limit(name, build, world):
+    model = build()
+    machine = cm.as_hardware("lassen")
+    whole = cosmoflow_32() if name == "cosmoflow" else model
+    limit = cm.predict_step(whole, (1, 1, 1), 1, 1, machine).memory - 1
+    batch = min(world, 2)
+    if world <= 2:
+        with pytest.raises(ValueError, match=f"No layout of {world} ranks .* over the memory limit"):
+            cm.auto_layout(model, world, machine, limit, global_batch=batch)
+        return
+    choice = cm.auto_layout(model, world, machine, limit, global_batch=batch)
+    assert math.prod(choice.spatial_shape) * choice.data_groups == world
+    assert math.prod(choice.spatial_shape) >= 2 and choice.data_groups <= 2
+    assert choice.prediction.memory <= limit
+    fitting = [p.step for p in choice.candidates]
+    assert choice.prediction.step == min(fitting) and fitting == sorted(fitting)
+    assert all(p.memory <= limit for p in choice.candidates)
+
+
+def test_auto_layout_chooses_where_the_split_stops_among_variants():
+    machine = cm.as_hardware("lassen")
+    variants = cosmoflow_variants()
+    choice = cm.auto_layout(variants, 8, machine, global_batch=1)
+    assert choice.variant in variants and math.prod(choice.spatial_shape) == 8
+    # 32^3 halves five times to 1^3: an 8-way split along one axis must stop early.
+    assert not (choice.variant is None and max(choice.spatial_shape) == 8)
+    alone = cm.auto_layout(variants[choice.variant], 8, machine, global_batch=1)
+    assert alone.prediction.step == choice.prediction.step
+    assert choice.explanation.startswith(f"Chosen ({choice.variant}):")
+
+
+def test_plan_layout_auto_prints_the_choice_and_its_plan(capsys):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "plan_layout.py")
+    spec = importlib.util.spec_from_file_location("plan_layout", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--model", "unet", "--size", "32", "--auto", "--world-size", "4",
+                      "--batch-size", "2", "--hardware", "lassen", "--memory-limit", "0.4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Chosen: spatial_shape=") and "Layout plan: spatial_shape=" in out
+    assert "Predicted on 'Lassen-like" in out
+    assert tool.main(["--model", "unet", "--size", "32", "--auto", "--world-size", "1",
+                      "--hardware", "lassen", "--memory-limit", "0.001"]) == 1
+    assert "No layout of 1 ranks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.main(["--auto", "--world-size", "4"])
+    assert "--auto needs --hardware" in capsys.readouterr().err
+
+
+def test_the_trainers_choose_layout(monkeypatch, capsys):
+    from recipes import training
+    from recipes.cli import BadArgument
+
+    monkeypatch.setenv("HOROVOD_SIZE", "4")
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    limit = cm.predict_step(unet_32(), (1, 1, 1), 1, 1, cm.as_hardware("lassen")).memory - 1
+    shape, variant = training.choose_layout(unet_32, 2, "lassen", limit / 2**30)
+    assert math.prod(shape) == 2 and variant is None
+    assert "--spatial auto on 'Lassen-like" in capsys.readouterr().out
+    with pytest.raises(BadArgument, match="--spatial auto needs --hardware"):
+        training.choose_layout(unet_32, 2, None)
+    with pytest.raises(BadArgument, match="--spatial auto: `hardware` 'nowhere' is neither a profile"):
+        training.choose_layout(unet_32, 2, "nowhere")
+    with pytest.raises(BadArgument, match="--spatial auto: No layout of 4 ranks"):
+        training.choose_layout(unet_32, 2, "lassen", 1e-6)

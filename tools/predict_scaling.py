@@ -25,30 +25,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 BEGIN, END = "<!-- predict_scaling:begin -->", "<!-- predict_scaling:end -->"
-GB = 1e9
-
-# Public spec sheets: NVIDIA V100 SXM2 datasheet (15.7 TFLOP/s fp32, 900 GB/s HBM2, 16 GB);
-# LLNL Lassen / IBM AC922 (4 V100 per node, 3 NVLink 2 bricks of 25 GB/s per direction
-# between a GPU and its peer, 2 EDR InfiniBand ports of 100 Gb/s = 12.5 GB/s per node).
-# NVIDIA H100 SXM5 datasheet (67 TFLOP/s fp32 without tensor cores, 3.35 TB/s HBM3, 80 GB,
-# NVLink 4 900 GB/s total = 450 GB/s per direction), one 400 Gb/s (50 GB/s) NIC per GPU.
-# Efficiencies, latencies and the per-layer overhead are assumptions (see the doc).
-PROFILES = {
-    "lassen": dict(
-        name="Lassen-like (4 x V100 16 GB, NVLink 2, 2 x EDR IB)", peak_flops=15.7e12,
-        flop_efficiency=0.5, memory_bandwidth=900 * GB, memory_efficiency=0.8,
-        memory_capacity=16 * GB, intra_node_latency=3e-6, intra_node_bandwidth=75 * GB,
-        inter_node_latency=5e-6, inter_node_bandwidth=25 * GB, ranks_per_node=4,
-        op_overhead=20e-6,
-    ),
-    "h100": dict(
-        name="H100 cluster (8 x H100 80 GB, NVLink 4, 8 x 400 Gb/s)", peak_flops=67e12,
-        flop_efficiency=0.5, memory_bandwidth=3350 * GB, memory_efficiency=0.8,
-        memory_capacity=80 * GB, intra_node_latency=2e-6, intra_node_bandwidth=450 * GB,
-        inter_node_latency=4e-6, inter_node_bandwidth=400 * GB, ranks_per_node=8,
-        op_overhead=10e-6,
-    ),
-}
 # (label, builder arguments, GPU counts, global batch, the paper's speedup over the range)
 SCENARIOS = {
     "cosmoflow": ("CosmoFlow 512^3 (paper network, gather before block 5)", (512, 1024, 2048), 64, 1.77),
@@ -79,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def predict(args) -> list[dict]:
-    from keras_spatial.cost_model import Hardware, auto_layout
+    from keras_spatial.cost_model import as_hardware, auto_layout
 
     algorithms = ("ring", "tree") if args.collectives == "both" else (args.collectives,)
     rows = []
@@ -87,7 +63,7 @@ def predict(args) -> list[dict]:
         label, counts, batch, paper = SCENARIOS[model_name]
         model = build(model_name)
         for profile in args.profiles.split(","):
-            hardware = Hardware(**PROFILES[profile])
+            hardware = as_hardware(profile)
             for algorithm in algorithms:
                 base = None
                 for count in counts:

@@ -111,6 +111,24 @@ def split_files(paths: Sequence[str], validation_fraction: float) -> tuple[list,
     return training.split_files(paths, validation_fraction, remedy="write more universes")
 
 
+def model_options(args: argparse.Namespace) -> tuple:
+    """(dropout, gather_before_block) of the model from --dropout, --variant and
+    --gather-before-block (the variant's defaults where not given)."""
+    from recipes.cosmoflow.model import MLPERF_DROPOUT, PAPER_DROPOUT
+
+    dropout = args.dropout
+    if dropout is None:
+        dropout = PAPER_DROPOUT if args.variant == "paper" else MLPERF_DROPOUT
+    gather_before_block = args.gather_before_block
+    if args.variant != "paper":
+        if gather_before_block:
+            raise cli.BadArgument("--gather-before-block is for --variant paper only")
+        gather_before_block = None
+    elif gather_before_block is None:
+        gather_before_block = DEFAULT_GATHER_BEFORE_BLOCK
+    return dropout, gather_before_block or None
+
+
 def input_statistics(dataset, count: int = None) -> tuple[list, list]:
     """Per-channel mean and standard deviation of the (preprocessed) inputs of the first
     `count` samples of `dataset` (float64 sums; the same on every rank)."""
@@ -154,9 +172,6 @@ def run(args: argparse.Namespace) -> dict:
 
     import numpy as np
 
-    strategy = training.spatial_strategy(args.spatial, args.batch_size)
-    import keras
-
     import keras_spatial as ks
     from recipes.cosmoflow.model import build_model
     from recipes.cosmoflow.schedules import make_optimizer
@@ -187,6 +202,29 @@ def run(args: argparse.Namespace) -> dict:
             f"training and validation files differ in shape: {shape} vs {val_files.sample_shape}"
         )
     size = shape[0]
+    dropout, gather_before_block = model_options(args)
+    input_mean = input_std = None
+    if args.standardize:
+        input_mean, input_std = input_statistics(train_files)
+
+    def build(gather=gather_before_block):
+        return build_model(size, variant=args.variant, channels=shape[3], batch_norm=args.batch_norm,
+                           dropout=dropout, input_mean=input_mean, input_std=input_std,
+                           gather_before_block=gather, head=args.head)
+
+    spatial = args.spatial
+    if spatial == "auto":
+        # Where the split stops is part of the layout unless --gather-before-block fixes it.
+        variants = {gather_before_block: build}
+        if args.variant == "paper" and args.gather_before_block is None:
+            variants = {g: (lambda g=g: build(g)) for g in (None, 7, 6, 5, 4, 3)}
+        try:
+            spatial, gather_before_block = training.choose_layout(
+                variants, args.batch_size, args.hardware, args.memory_limit)
+        except ValueError as error:  # the model itself cannot be built
+            raise cli.BadArgument(str(error)) from None
+    strategy = training.spatial_strategy(spatial, args.batch_size)
+    import keras
 
     keras.utils.set_random_seed(args.seed)
     val_batch, exact = training.validation_batch_size(len(val_paths), args.batch_size, strategy.data_size)
@@ -195,28 +233,9 @@ def run(args: argparse.Namespace) -> dict:
                                            seed=args.seed, drop_remainder=True, augment=augment)
     val_ds = strategy.distribute_dataset(val_files, batch_size=val_batch, shuffle=False,
                                          drop_remainder=False)
-    dropout = args.dropout
-    if dropout is None:
-        from recipes.cosmoflow.model import MLPERF_DROPOUT, PAPER_DROPOUT
-
-        dropout = PAPER_DROPOUT if args.variant == "paper" else MLPERF_DROPOUT
-    gather_before_block = args.gather_before_block
-    if args.variant != "paper":
-        if gather_before_block:
-            raise cli.BadArgument("--gather-before-block is for --variant paper only")
-        gather_before_block = None
-    elif gather_before_block is None:
-        gather_before_block = DEFAULT_GATHER_BEFORE_BLOCK
-    gather_before_block = gather_before_block or None
-    input_mean = input_std = None
-    if args.standardize:
-        input_mean, input_std = input_statistics(train_files)
     try:
         with strategy.scope():
-            model = build_model(size, variant=args.variant, channels=shape[3],
-                                batch_norm=args.batch_norm, dropout=dropout,
-                                input_mean=input_mean, input_std=input_std,
-                                gather_before_block=gather_before_block, head=args.head)
+            model = build(gather_before_block)
     except ValueError as error:
         raise cli.BadArgument(str(error)) from None
     steps = len(train_paths) // args.batch_size
@@ -233,7 +252,7 @@ def run(args: argparse.Namespace) -> dict:
     if rank0:
         os.makedirs(out, exist_ok=True)
         print(
-            f"cosmoflow.train: {strategy.size} rank(s), spatial {args.spatial}, "
+            f"cosmoflow.train: {strategy.size} rank(s), spatial {strategy.spatial_shape}, "
             f"{strategy.data_size} data group(s); {args.variant} model at {size}^3 "
             f"({model.count_params():,} parameters); {len(train_paths)} training and "
             f"{len(val_paths)} validation universes; global batch {args.batch_size} "

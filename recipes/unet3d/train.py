@@ -207,9 +207,6 @@ def run(args: argparse.Namespace) -> dict:
     paths = training.find_data_files(args.data, FILE_PATTERN, "tools/write_segmentation.py")
     train_paths, val_paths = split_files(paths, args.validation_fraction)
 
-    strategy = training.spatial_strategy(args.spatial, args.batch_size)
-    import keras
-
     import keras_spatial as ks
     from recipes.unet3d.model import build_model, dice_from_confusion, dice_metrics
     from recipes.unet3d.segmentation import NUM_CLASSES
@@ -237,6 +234,19 @@ def run(args: argparse.Namespace) -> dict:
     with ks.data.open_hdf5(paths[0]) as f:
         classes = int(f.attrs.get("num_classes", NUM_CLASSES))
 
+    def build():
+        return build_model(shape, classes=classes, depth=args.depth,
+                           base_filters=args.base_filters, batch_norm=args.batch_norm)
+
+    spatial = args.spatial
+    if spatial == "auto":
+        try:
+            spatial, _ = training.choose_layout(build, args.batch_size, args.hardware, args.memory_limit)
+        except ValueError as error:  # the model itself cannot be built
+            raise cli.BadArgument(str(error)) from None
+    strategy = training.spatial_strategy(spatial, args.batch_size)
+    import keras
+
     keras.utils.set_random_seed(args.seed)
     val_batch, exact = training.validation_batch_size(len(val_files), args.batch_size, strategy.data_size)
     try:
@@ -245,8 +255,7 @@ def run(args: argparse.Namespace) -> dict:
         val_ds = strategy.distribute_dataset(val_files, batch_size=val_batch, shuffle=False,
                                              drop_remainder=False)
         with strategy.scope():
-            model = build_model(shape, classes=classes, depth=args.depth,
-                                base_filters=args.base_filters, batch_norm=args.batch_norm)
+            model = build()
     except (ValueError, ks.data.InvalidDataError) as error:
         raise cli.BadArgument(str(error)) from None
     model.compile(
@@ -259,7 +268,7 @@ def run(args: argparse.Namespace) -> dict:
     if rank0:
         os.makedirs(out, exist_ok=True)
         print(
-            f"unet3d.train: {strategy.size} rank(s), spatial {args.spatial}, "
+            f"unet3d.train: {strategy.size} rank(s), spatial {strategy.spatial_shape}, "
             f"{strategy.data_size} data group(s); U-Net depth {args.depth}, base filters "
             f"{args.base_filters}, batch norm {'on' if args.batch_norm else 'off'} at "
             f"{'x'.join(map(str, shape[:3]))}x{shape[3]} ({model.count_params():,} parameters); "
