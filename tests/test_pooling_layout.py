@@ -24,7 +24,7 @@ def test_average_pool_on_height_split_is_pooled_in_place():
 
 def test_pool_without_exchange_needs_no_halo():
     assert in_place_layout(_plans(64, (2, 2, 1), 2, 2, "valid"), (1, 1, 0), "max") == (None, ())
-    # Unsplit axes with 'same' padding no longer need a padded copy either.
+    # Unsplit axes with 'same' padding need no padded copy either.
     assert in_place_layout(_plans(64, (1, 1, 1), 3, 2, "same"), (0, 0, 0), "average") == (None, ())
 
 
