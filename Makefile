@@ -10,7 +10,7 @@ export TF_ENABLE_ONEDNN_OPTS ?= 1
 
 HOROVODRUN := $(VENV)/bin/horovodrun --gloo -np 2 -H localhost:2
 
-.PHONY: venv test test-fast demo demo-layers claim bench bench-halo bench-latency bench-interference profile clean
+.PHONY: venv test test-fast demo demo-layers claim bench bench-halo bench-latency bench-interference validate-model profile clean
 
 venv: $(STAMP)
 
@@ -42,23 +42,27 @@ claim: $(STAMP)
 # docs/benchmarks.md: strong scaling (3 rounds) and memory, about 35 minutes (run on an
 # otherwise idle machine).
 bench: $(STAMP)
-	$(PY) tools/bench_scaling.py
-	$(PY) tools/bench_memory.py
+	$(PY) benchmarks/bench_scaling.py
+	$(PY) benchmarks/bench_memory.py
 
 # docs/benchmarks.md, profile section: per-rank breakdown of a step (TensorFlow profiler).
 profile: $(STAMP)
-	$(PY) tools/profile_step.py
+	$(PY) benchmarks/profile_step.py
 
 bench-halo: $(STAMP)
-	$(HOROVODRUN) $(PY) tools/bench_halo.py
+	$(HOROVODRUN) $(PY) benchmarks/bench_halo.py
 
 # Latency of one small allreduce / alltoall in a tf.function chain, vs loopback TCP.
 bench-latency: $(STAMP)
-	$(HOROVODRUN) $(PY) tools/bench_collective_latency.py
+	$(HOROVODRUN) $(PY) benchmarks/bench_collective_latency.py
 
 # What an idle Horovod job costs two training processes, per KERAS_SPATIAL_COMM_THREADS.
 bench-interference: $(STAMP)
-	$(PY) tools/bench_comm_interference.py
+	$(PY) benchmarks/bench_comm_interference.py
+
+# Calibrate the performance model here and compare it with measured steps, about 12 minutes.
+validate-model: $(STAMP)
+	$(PY) benchmarks/validate_cost_model.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -2,14 +2,14 @@
 
 Full run (writes the `profile_step` section of docs/benchmarks.md):
 
-    .venv/bin/python tools/profile_step.py
+    .venv/bin/python benchmarks/profile_step.py
 
 Smoke test (CosmoFlow and the U-Net at 32^3, 1 warm-up, 3 timed and 1 profiled step;
 writes to a temporary directory unless --out is given):
 
-    .venv/bin/python tools/profile_step.py --quick
+    .venv/bin/python benchmarks/profile_step.py --quick
 
-For each model and configuration (the keys and labels of tools/bench_scaling.py: 1 rank
+For each model and configuration (the keys and labels of benchmarks/bench_scaling.py: 1 rank
 x 1 thread, spatial 2x1x1, spatial 1x2x1 by default) it runs, in one job per
 configuration (a plain `python` process for one rank, horovodrun --gloo for several),
 the training step of bench_scaling.py (one sample per data group: forward with
@@ -334,14 +334,14 @@ def compare_with_serial(rows: list[dict]) -> list[str]:
 
 
 def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
-    lines = ["## Where the time of a step goes (`tools/profile_step.py`)", ""]
+    lines = ["## Where the time of a step goes (`benchmarks/profile_step.py`)", ""]
     if args.quick:
         lines += ["**QUICK MODE (smoke test at 32^3 with 3 timed steps and 1 profiled step): these "
                   "numbers check that the tool works; they are not benchmark results.**", ""]
     lines += [
         *common.run_header(command),
         "",
-        "The training step of `tools/bench_scaling.py` (one sample per data group: forward with "
+        "The training step of `benchmarks/bench_scaling.py` (one sample per data group: forward with "
         f"training=True, MSE, backward, {common.optimizer_label(args.optimizer)} update after the fused "
         "world-average of the gradients), "
         "one TensorFlow intra-op thread and one inter-op thread per rank (OMP_NUM_THREADS=1; 2 "
@@ -380,15 +380,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="full run:    .venv/bin/python tools/profile_step.py\n"
-               "smoke test:  .venv/bin/python tools/profile_step.py --quick",
+        epilog="full run:    .venv/bin/python benchmarks/profile_step.py\n"
+               "smoke test:  .venv/bin/python benchmarks/profile_step.py --quick",
     )
     parser.add_argument("--models", default=None,
                         help=f"comma-separated model:size pairs (models: {', '.join(common.MODELS)}); "
                              f"default {DEFAULT_MODELS} ({QUICK_MODELS} with --quick)")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help=f"comma-separated configurations out of {', '.join(CONFIGS)}, as in "
-                             f"tools/bench_scaling.py; must include serial (default {DEFAULT_CONFIGS})")
+                             f"benchmarks/bench_scaling.py; must include serial (default {DEFAULT_CONFIGS})")
     parser.add_argument("--four-way", type=common.spatial_shape_arg, default=(4, 1, 1),
                         help="spatial shape of the 4-rank configuration spatial4 (default 4,1,1)")
     parser.add_argument("--warmup", type=common.positive_int, default=None, help="warm-up steps (default 3; 1 with --quick)")
@@ -435,7 +435,7 @@ def main(argv=None) -> int:
     if args.worker is not None:
         worker(json.loads(args.worker))
         return 0
-    command = common.command_line("tools/profile_step.py", sys.argv[1:] if argv is None else argv)
+    command = common.command_line("benchmarks/profile_step.py", sys.argv[1:] if argv is None else argv)
     if any(CONFIGS[key][1] > 1 for key in args.configs):
         common.horovodrun_path()  # fail now, not after the one-rank runs
     specs = plan_specs(args, profiled_steps=args.profiled_steps, optimizer=args.optimizer,

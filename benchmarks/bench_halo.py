@@ -1,6 +1,6 @@
 """Benchmark: halo exchange vs local convolution for CosmoFlow-sized Conv3D layers.
 
-    .venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python tools/bench_halo.py
+    .venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python benchmarks/bench_halo.py
 
 (or `make bench-halo`). Each of the 2 ranks holds half of a W^3 volume (split along
 depth) and uses one intra-op thread. For the first two CosmoFlow convolutions (kernel 3,
@@ -97,7 +97,7 @@ def main() -> int:
 
     strategy = ks.SpatialStrategy((2, 1, 1))
     if strategy.size != 2:
-        print("run on 2 ranks: horovodrun --gloo -np 2 -H localhost:2 python tools/bench_halo.py")
+        print("run on 2 ranks: horovodrun --gloo -np 2 -H localhost:2 python benchmarks/bench_halo.py")
         return 2
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
@@ -112,7 +112,7 @@ def main() -> int:
     lines = [
         "# Halo exchange vs local convolution (2 ranks, split 2x1x1)",
         "",
-        f"Command: `.venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python tools/bench_halo.py "
+        f"Command: `.venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python benchmarks/bench_halo.py "
         f"--sizes {args.sizes} --repeats {args.repeats}`  ",
         f"Date: {datetime.date.today().isoformat()}; machine: {os.cpu_count()} cores, "
         f"{platform.machine()}, TensorFlow {tf.__version__}; one intra-op thread per rank; "

@@ -1,6 +1,6 @@
 """Benchmark: how much an idle Horovod job slows training threads on the same cores.
 
-    .venv/bin/python tools/bench_comm_interference.py
+    .venv/bin/python benchmarks/bench_comm_interference.py
 
 Horovod's background thread wakes every cycle to coordinate with the other ranks, even
 when nothing is queued. This tool measures what those wake-ups cost a computation that
@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_common as common  # noqa: E402  (tools/, this script's folder)
+import bench_common as common  # noqa: E402  (benchmarks/, this script's folder)
 
 
 def step_worker(size: int, steps: int, start_at: float) -> None:
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
           f"{max(medians) / reference:.2f}", "—" if cpu is None else f"{cpu:.2f}"]
          for label, medians, cpu in rows],
     )
-    print("\n".join([common.command_line("tools/bench_comm_interference.py", sys.argv[1:] if argv is None else argv),
+    print("\n".join([common.command_line("benchmarks/bench_comm_interference.py", sys.argv[1:] if argv is None else argv),
                      common.machine_line(), ""] + table))
     return 0
 

@@ -1,6 +1,6 @@
 """Benchmark: the latency of one small collective, as a training step meets it.
 
-    .venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python tools/bench_collective_latency.py
+    .venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python benchmarks/bench_collective_latency.py
 
 A spatially split step runs its collectives one after another: each halo exchange and
 each synchronized batch-norm statistic waits for the previous layer. So the time a step
@@ -24,7 +24,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import bench_common as common  # noqa: E402  (tools/, this script's folder)
+import bench_common as common  # noqa: E402  (benchmarks/, this script's folder)
 from bench_halo import median_seconds  # noqa: E402
 
 

@@ -18,8 +18,8 @@ and measures on every rank:
 It prints a Markdown table and writes it to docs/bench_io.md with the command and date.
 
 Usage:
-    .venv/bin/python tools/bench_io.py                 # all splits, writes docs/bench_io.md
-    .venv/bin/python tools/bench_io.py --data /scratch/bench --samples 32 --out ""
+    .venv/bin/python benchmarks/bench_io.py                 # all splits, writes docs/bench_io.md
+    .venv/bin/python benchmarks/bench_io.py --data /scratch/bench --samples 32 --out ""
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def render(rows: list[list[str]], args: argparse.Namespace, command: str) -> str
     except (OSError, StopIteration):
         pass
     return "\n".join([
-        "# Input pipeline benchmark (`tools/bench_io.py`)",
+        "# Input pipeline benchmark (`benchmarks/bench_io.py`)",
         "",
         f"Command: `{command}`  ",
         f"Date: {datetime.date.today().isoformat()}  ",
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     python = os.path.relpath(sys.executable, REPO_ROOT)
     python = "python" if python.startswith("..") else python
     arguments = [shlex.quote(a) for a in (argv or sys.argv[1:])]
-    command = " ".join([python, "tools/bench_io.py", *arguments])
+    command = " ".join([python, "benchmarks/bench_io.py", *arguments])
     temporary = args.data is None
     args.data = args.data or tempfile.mkdtemp(prefix="bench_io_")
     try:

@@ -3,11 +3,11 @@
 Full run (about 15 minutes on a 2-core machine with about 12 GB of free memory; writes
 the `bench_memory` section of docs/benchmarks.md and docs/bench_memory.png):
 
-    .venv/bin/python tools/bench_memory.py
+    .venv/bin/python benchmarks/bench_memory.py
 
 Smoke test (32^3 and 64^3; writes to a temporary directory unless --out/--plot are given):
 
-    .venv/bin/python tools/bench_memory.py --quick
+    .venv/bin/python benchmarks/bench_memory.py --quick
 
 For the paper's CosmoFlow (`recipes.cosmoflow.model.build_model(W, 'paper')`) at 128^3
 and 256^3 and the splits 1x1x1 (a plain `python` process, no Horovod), 2x1x1 and 4x1x1
@@ -285,7 +285,7 @@ def evaluate_target(rows: list[dict], reference_size: int) -> list[str]:
 
 
 def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
-    lines = ["## Peak memory per rank of one training step (`tools/bench_memory.py`)", ""]
+    lines = ["## Peak memory per rank of one training step (`benchmarks/bench_memory.py`)", ""]
     if args.quick:
         lines += ["**QUICK MODE (smoke test at 32^3 and 64^3): these numbers check that the tool "
                   "works; they are not benchmark results.**", ""]
@@ -392,8 +392,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="full run:    .venv/bin/python tools/bench_memory.py\n"
-               "smoke test:  .venv/bin/python tools/bench_memory.py --quick",
+        epilog="full run:    .venv/bin/python benchmarks/bench_memory.py\n"
+               "smoke test:  .venv/bin/python benchmarks/bench_memory.py --quick",
     )
     parser.add_argument("--sizes", default=None,
                         help=f"comma-separated cubic sizes W (default {DEFAULT_SIZES}; {QUICK_SIZES} with --quick)")
@@ -448,7 +448,7 @@ def main(argv=None) -> int:
     if args.worker is not None:
         worker(json.loads(args.worker))
         return 0
-    command = common.command_line("tools/bench_memory.py", sys.argv[1:] if argv is None else argv)
+    command = common.command_line("benchmarks/bench_memory.py", sys.argv[1:] if argv is None else argv)
     common.horovodrun_path()
     specs = plan_specs(args)
     rows, failures = [], 0

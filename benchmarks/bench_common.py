@@ -1,4 +1,4 @@
-"""Helpers shared by tools/bench_scaling.py and tools/bench_memory.py (not a command).
+"""Helpers shared by benchmarks/bench_scaling.py and benchmarks/bench_memory.py (not a command).
 
 * the benchmark models: the paper's CosmoFlow (`recipes.cosmoflow.model`, gathered before
   the first block a mesh cannot split evenly) and a small 3D U-Net with the paper's
@@ -588,7 +588,7 @@ def write_result(spec: dict, results: list[dict]) -> None:
 # docs/benchmarks.md ------------------------------------------------------------------------
 FILE_HEADER = (
     "# Benchmarks: strong scaling, memory and where a step's time goes\n\n"
-    "Written by `tools/bench_scaling.py`, `tools/bench_memory.py` and `tools/profile_step.py`; "
+    "Written by `benchmarks/bench_scaling.py`, `benchmarks/bench_memory.py` and `benchmarks/profile_step.py`; "
     "each tool replaces "
     "only its own section (between its `BEGIN`/`END` markers). See also "
     "`docs/bench_halo.md` (halo exchange vs local convolution) and `docs/bench_io.md` "

@@ -9,8 +9,8 @@ Writes the section between the markers of docs/performance_model.md and
 docs/performance_scaling.png (unless --print-only).
 
 Example:
-    python tools/predict_scaling.py
-    python tools/predict_scaling.py --print-only --collectives tree
+    python benchmarks/predict_scaling.py
+    python benchmarks/predict_scaling.py --print-only --collectives tree
 """
 
 from __future__ import annotations

@@ -1,0 +1,278 @@
+"""Calibrate the performance model on this machine and compare it with measured steps.
+
+    .venv/bin/python benchmarks/validate_cost_model.py            # about 12 minutes
+    .venv/bin/python benchmarks/validate_cost_model.py --measured scaling.json
+    .venv/bin/python benchmarks/validate_cost_model.py --quick    # smoke test, writes nothing
+
+1. **Communication**: a 2-rank job (`horovodrun --gloo`) times, through
+   `keras_spatial.comm` inside a `tf.function`, a chain of allreduces of 8 floats (the
+   latency of one collective) and allreduces of `--bandwidth-mib` MiB (bandwidth:
+   an allreduce of n bytes moves 2 (p-1)/p n bytes per rank).
+2. **Steps**: `benchmarks/bench_scaling.py --json` measures one training step of
+   CosmoFlow 64^3 and 128^3 and the U-Net 64^3 in the layouts of `--configs` (or
+   `--measured` reads such a file).
+3. **Compute**: the effective FLOP/s and the fixed time per layer and pass of this
+   machine are fitted to the ONE-rank steps only (least relative squares over a grid);
+   memory bandwidth comes from a numpy copy of 256 MiB.
+4. **Validation**: with that `Hardware` (`keras_spatial.cost_model`), every measured
+   multi-rank layout is predicted and compared: the error is predicted / measured - 1.
+   Layouts with more rank x threads than cores are marked oversubscribed (the model
+   assumes a core per rank).
+
+Writes the calibrated description to docs/hardware_this_machine.json (usable as
+`--hardware docs/hardware_this_machine.json`), the table to the section between the
+markers in docs/performance_model.md and the rows to docs/performance_model.json, a list
+of {"model", "size", "layout", "oversubscribed", "predicted_s", "measured_s"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as common  # noqa: E402  (benchmarks/, this script's folder; sets sys.path)
+
+REPO_ROOT = common.REPO_ROOT
+BEGIN, END = "<!-- validate_cost_model:begin -->", "<!-- validate_cost_model:end -->"
+DEFAULT_CONFIGS = "serial,spatial2x1x1,spatial1x2x1,spatial1x1x2,data2,spatial4"
+MODELS = "cosmoflow:64,cosmoflow:128,unet:64"
+TARGET = 0.15
+
+
+# Communication (worker) ------------------------------------------------------------------
+def comm_worker(spec: dict) -> None:
+    strategy, _ = common.start_worker(spec)
+    import tensorflow as tf
+
+    from keras_spatial import comm
+
+    world = strategy.world_process_set
+    chain = spec["chain"]
+
+    @tf.function
+    def small(x):
+        for index in range(chain):
+            x = comm.allreduce(x, world, name=f"calibrate_small{index}", op="average")
+        return x
+
+    @tf.function
+    def large(x):
+        for index in range(4):
+            x = comm.allreduce(x, world, name=f"calibrate_large{index}", op="average")
+        return x
+
+    def median_of(fn, value, calls):
+        fn(value).numpy()
+        times = []
+        for _ in range(calls):
+            common.barrier(strategy, "calibrate")
+            start = time.perf_counter()
+            fn(value).numpy()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    latency = median_of(small, tf.ones([8]), spec["repeats"]) / chain
+    elements = int(spec["bandwidth_mib"] * 2**20 // 4)
+    per_call = median_of(large, tf.ones([elements]), spec["repeats"]) / 4
+    ranks = strategy.size
+    moved = 2 * (ranks - 1) / ranks * elements * 4
+    result = {"latency": latency, "bandwidth": moved / max(per_call - 2 * (ranks - 1) * latency, 1e-9),
+              "large_allreduce": per_call}
+    results = common.gather_results(strategy, result, "calibrate_results")
+    if strategy.rank == 0:
+        common.write_result(spec, results)
+
+
+def measure_comm(args) -> dict:
+    spec = {"ranks": 2, "threads": 1, "spatial": [1, 1, 1], "chain": args.chain,
+            "repeats": args.repeats, "bandwidth_mib": args.bandwidth_mib}
+    per_rank = common.launch_worker(__file__, spec, 2, 1, args.timeout)
+    return {"latency": max(r["latency"] for r in per_rank),  # the slowest rank sets the pace
+            "bandwidth": min(r["bandwidth"] for r in per_rank),
+            "large_allreduce": max(r["large_allreduce"] for r in per_rank)}
+
+
+def memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Bytes/s of a numpy copy (read + write) of `mib` MiB, median of `repeats`."""
+    import numpy as np
+
+    source = np.ones(mib * 2**20 // 8)
+    target = np.empty_like(source)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        times.append(time.perf_counter() - start)
+    return 2 * source.nbytes / statistics.median(times)
+
+
+# Steps -----------------------------------------------------------------------------------
+def measure_steps(args, path: str) -> None:
+    command = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_scaling.py"),
+               "--models", args.models, "--configs", args.configs, "--rounds", str(args.rounds),
+               "--json", path, "--out", os.path.join(tempfile.gettempdir(), "validate_cost_model_scaling.md"),
+               "--plot", os.path.join(tempfile.gettempdir(), "validate_cost_model_scaling.png")]
+    if args.quick:
+        command.append("--quick")
+    print("steps:", " ".join(command[1:]), flush=True)
+    subprocess.run(command, cwd=REPO_ROOT, check=True)
+
+
+def builder(row: dict):
+    """The model bench_scaling measured for `row`, built with no strategy."""
+    return lambda: common.build_benchmark_model(row)
+
+
+# Fit and predict -------------------------------------------------------------------------
+def hardware_of(comm_result: dict, bandwidth: float, flops: float, overhead: float):
+    from keras_spatial.cost_model import Hardware
+
+    return Hardware(
+        name="this machine (calibrated by benchmarks/validate_cost_model.py)",
+        peak_flops=flops, flop_efficiency=1.0, memory_bandwidth=bandwidth, memory_efficiency=1.0,
+        memory_capacity=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        intra_node_latency=comm_result["latency"], intra_node_bandwidth=comm_result["bandwidth"],
+        inter_node_latency=comm_result["latency"], inter_node_bandwidth=comm_result["bandwidth"],
+        ranks_per_node=os.cpu_count() or 1, op_overhead=overhead,
+    )
+
+
+def predict(row: dict, costs_cache: dict, hardware) -> float:
+    from keras_spatial.cost_model import model_costs, predict_step
+
+    spatial = tuple(row["spatial"])
+    batch = row["ranks"] // row["spatial_size"]  # one sample per data group
+    key = (row["model"], row["size"], spatial, row["ranks"], row.get("gather_before_block"))
+    if key not in costs_cache:
+        costs_cache[key] = model_costs(builder(row), spatial, world_size=row["ranks"], batch_size=1)
+    return predict_step(costs_cache[key], spatial, row["ranks"], batch, hardware).step
+
+
+def fit_compute(serial: list[dict], comm_result: dict, bandwidth: float, cache: dict) -> tuple:
+    """(FLOP/s, overhead) minimising the squared relative error of the one-rank steps."""
+    best = None
+    for flops in [g * 1e9 for g in (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 18, 20, 24, 28, 32, 40, 48, 64)]:
+        for overhead in (0.0, 2e-5, 5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3):
+            hardware = hardware_of(comm_result, bandwidth, flops, overhead)
+            error = sum((predict(r, cache, hardware) / r["step"] - 1) ** 2 for r in serial)
+            if best is None or error < best[0]:
+                best = (error, flops, overhead)
+    return best[1], best[2]
+
+
+def layout_text(row: dict) -> str:
+    spatial = "x".join(map(str, row["spatial"]))
+    groups = row["ranks"] // row["spatial_size"]
+    return f"{spatial} x {groups} data group(s)" if groups > 1 else spatial
+
+
+def render(rows: list[dict], hardware, command: str) -> str:
+    lines = [
+        f"Command: `{command}`  ",
+        f"Machine: {common.machine_line()}  ",
+        "",
+        f"Calibrated (`docs/hardware_this_machine.json`): {hardware.peak_flops / 1e9:.0f} GFLOP/s effective, "
+        f"{hardware.op_overhead * 1e6:.0f} us per layer and pass (both fitted to the one-rank steps), "
+        f"memory {hardware.memory_bandwidth / 1e9:.1f} GB/s (numpy copy), collective latency "
+        f"{hardware.intra_node_latency * 1e3:.2f} ms and bandwidth {hardware.intra_node_bandwidth / 1e9:.2f} GB/s "
+        "(Gloo allreduce on 2 ranks).",
+        "",
+        "| model | size | layout | ranks | oversubscribed | measured (s) | predicted (s) | error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['size']}^3 | {r['layout']} | {r['ranks']} | "
+                     f"{'yes' if r['oversubscribed'] else 'no'} | {r['measured_s']:.3f} | "
+                     f"{r['predicted_s']:.3f} | {r['error']:+.0%} |")
+    checked = [r for r in rows if not r["oversubscribed"] and r["ranks"] > 1]
+    within = sum(abs(r["error"]) <= TARGET for r in checked)
+    worst = max(checked, key=lambda r: abs(r["error"])) if checked else None
+    lines += ["", f"Target: every multi-rank layout that is not oversubscribed within {TARGET:.0%} of its "
+                  f"measured median: {within} of {len(checked)}"
+              + (f"; the worst, {worst['model']} {worst['size']}^3 {worst['layout']}, {worst['error']:+.0%}."
+                 if worst else ".")]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measured", default=None, help="a bench_scaling.py --json file (default: measure now)")
+    parser.add_argument("--models", default=MODELS, help=f"for bench_scaling (default {MODELS})")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"for bench_scaling (default {DEFAULT_CONFIGS})")
+    parser.add_argument("--rounds", type=common.positive_int, default=1, help="bench_scaling rounds (default 1)")
+    parser.add_argument("--chain", type=common.positive_int, default=50, help="small allreduces per call (default 50)")
+    parser.add_argument("--repeats", type=common.positive_int, default=7, help="timed calls (default 7)")
+    parser.add_argument("--bandwidth-mib", type=common.positive_int, default=32,
+                        help="MiB per large allreduce (default 32)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per job (default 1800)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 32^3 steps, small transfers, writes nothing")
+    parser.add_argument("--docs", default=os.path.join(REPO_ROOT, "docs"), help="where the outputs go (default docs/)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.configs, args.repeats, args.chain, args.bandwidth_mib = "cosmoflow:32", "serial,spatial2x1x1", 2, 5, 1
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        comm_worker(json.loads(args.worker))
+        return 0
+    command = common.command_line("benchmarks/validate_cost_model.py", sys.argv[1:] if argv is None else argv)
+    print("communication: 2 ranks ...", flush=True)
+    comm_result = measure_comm(args)
+    bandwidth = memory_bandwidth(16 if args.quick else 256)
+    print(f"    latency {comm_result['latency'] * 1e3:.3f} ms, bandwidth {comm_result['bandwidth'] / 1e9:.2f} GB/s, "
+          f"memory {bandwidth / 1e9:.1f} GB/s", flush=True)
+    measured = args.measured
+    if measured is None:
+        measured = os.path.join(tempfile.mkdtemp(prefix="validate_cost_model_"), "scaling.json")
+        measure_steps(args, measured)
+    with open(measured) as handle:
+        steps = [r for r in json.load(handle) if "step" in r and r.get("threads", 1) == 1]
+    serial = [r for r in steps if r["ranks"] == 1]
+    if not serial:
+        print("error: the measurements hold no one-rank step to calibrate on", file=sys.stderr)
+        return 1
+    cache: dict = {}
+    flops, overhead = fit_compute(serial, comm_result, bandwidth, cache)
+    hardware = hardware_of(comm_result, bandwidth, flops, overhead)
+    cores = os.cpu_count() or 1
+    rows = []
+    for r in steps:
+        predicted = predict(r, cache, hardware)
+        rows.append({"model": r["model"], "size": r["size"], "layout": layout_text(r), "ranks": r["ranks"],
+                     "oversubscribed": r["ranks"] * r.get("threads", 1) > cores,
+                     "predicted_s": predicted, "measured_s": r["step"], "error": predicted / r["step"] - 1})
+    report = render(rows, hardware, command)
+    print(report)
+    if args.quick:
+        return 0
+    import dataclasses
+
+    with open(os.path.join(args.docs, "hardware_this_machine.json"), "w") as handle:
+        json.dump(dataclasses.asdict(hardware), handle, indent=1)
+    with open(os.path.join(args.docs, "performance_model.json"), "w") as handle:
+        json.dump([{k: r[k] for k in ("model", "size", "layout", "oversubscribed", "predicted_s", "measured_s")}
+                   for r in rows], handle, indent=1)
+    path = os.path.join(args.docs, "performance_model.md")
+    with open(path) as handle:
+        text = handle.read()
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN) + len(BEGIN)] + "\n" + report + "\n" + text[text.index(END):]
+        with open(path, "w") as handle:
+            handle.write(text)
+    print(f"wrote {args.docs}/hardware_this_machine.json, performance_model.json and the section of performance_model.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
