@@ -579,7 +579,8 @@ def plot(rows: list[dict], path: str, quick: bool) -> None:
     ax_time.set_ylabel("step time (s), log scale")
     ax_time.set_title("One training step of one sample per data group")
     ax_time.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-    markers = {"serial": "o", "threads2": "s", "spatial2x1x1": "^", "spatial1x2x1": "v", "data2": "D", "spatial4": "*"}
+    markers = {"serial": "o", "threads2": "s", "spatial2x1x1": "^", "spatial1x2x1": "v", "spatial1x1x2": "<",
+               "data2": "D", "spatial4": "*"}
     top = 1
     for model, size in models:
         points = [r for r in measured if _model_key(r) == (model, size) and "speedup" in r]
@@ -587,7 +588,7 @@ def plot(rows: list[dict], path: str, quick: bool) -> None:
         for r in sorted(points, key=lambda r: r["ranks"] * r["threads"]):
             workers = r["ranks"] * r["threads"]
             top = max(top, workers)
-            line = ax_speed.plot(workers, r["speedup"], markers[r["key"]], markersize=8,
+            line = ax_speed.plot(workers, r["speedup"], markers.get(r["key"], "x"), markersize=8,
                                  color=line[0].get_color() if line else None,
                                  fillstyle="none" if workers > common.usable_cores() else "full")
         if line:
@@ -776,9 +777,11 @@ def main(argv=None) -> int:
     rows = [combine_rounds(rounds) for rounds in per_spec]
     failures = sum("step" not in row for row in rows)
     add_speedups(rows)
+    # The table and the JSON rows first: a failing plot must not lose the measurements.
+    status = common.publish(SECTION, render(rows, args, command), args.out, rows, args.json, failures)
     plot(rows, args.plot, args.quick)
-    return common.publish(SECTION, render(rows, args, command), args.out, rows, args.json, failures,
-                          also_written=args.plot)
+    print(f"Wrote {args.plot}")
+    return status
 
 
 if __name__ == "__main__":

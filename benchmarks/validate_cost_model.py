@@ -115,6 +115,8 @@ def memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
 
 # Steps -----------------------------------------------------------------------------------
 def measure_steps(args, path: str) -> None:
+    """Run bench_scaling, its rows to `path`; a configuration that failed is left out of
+    the rows (bench_scaling marks it), a run that wrote no rows raises."""
     command = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_scaling.py"),
                "--models", args.models, "--configs", args.configs, "--rounds", str(args.rounds),
                "--json", path, "--out", os.path.join(tempfile.gettempdir(), "validate_cost_model_scaling.md"),
@@ -122,7 +124,10 @@ def measure_steps(args, path: str) -> None:
     if args.quick:
         command.append("--quick")
     print("steps:", " ".join(command[1:]), flush=True)
-    subprocess.run(command, cwd=REPO_ROOT, check=True)
+    status = subprocess.run(command, cwd=REPO_ROOT).returncode
+    if not os.path.exists(path):
+        raise RuntimeError(f"bench_scaling.py exited with status {status} and wrote no measurements")
+    print(f"measured steps in {path} (reuse them with --measured {path})", flush=True)
 
 
 def builder(row: dict):
@@ -234,7 +239,7 @@ def main(argv=None) -> int:
           f"memory {bandwidth / 1e9:.1f} GB/s", flush=True)
     measured = args.measured
     if measured is None:
-        measured = os.path.join(tempfile.mkdtemp(prefix="validate_cost_model_"), "scaling.json")
+        measured = os.path.join(tempfile.mkdtemp(prefix="validate_cost_model_"), "scaling.json")  # kept
         measure_steps(args, measured)
     with open(measured) as handle:
         steps = [r for r in json.load(handle) if "step" in r and r.get("threads", 1) == 1]
