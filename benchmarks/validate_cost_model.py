@@ -239,7 +239,8 @@ def main(argv=None) -> int:
           f"memory {bandwidth / 1e9:.1f} GB/s", flush=True)
     measured = args.measured
     if measured is None:
-        measured = os.path.join(tempfile.mkdtemp(prefix="validate_cost_model_"), "scaling.json")  # kept
+        # Not deleted afterwards: the measured rows can be reused with --measured.
+        measured = os.path.join(tempfile.mkdtemp(prefix="validate_cost_model_"), "scaling.json")
         measure_steps(args, measured)
     with open(measured) as handle:
         steps = [r for r in json.load(handle) if "step" in r and r.get("threads", 1) == 1]
