@@ -8,7 +8,7 @@ pooling and train exactly what one process would train on the whole volumes.
     .venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python examples/spatial_unet.py
 
 Without the marked lines (and with `model.fit(x, y, ...)`), the same script trains the
-same model in one process; tests/test_example.py checks that both end with the same
+same model in one process; tests/recipes/test_example.py checks that both end with the same
 weights (the 2-rank run against one process on the whole volumes).
 """
 

@@ -89,7 +89,7 @@ class SpatialBatchNormalization(keras.layers.BatchNormalization):
 
     def _moments(self, inputs, mask):
         # Overrides the hook `keras.layers.BatchNormalization.call` uses for the batch
-        # statistics in training (pinned by tests/test_head_layers_single_process.py).
+        # statistics in training (pinned by tests/unit/test_head_layers_single_process.py).
         process_set = self._statistics_process_set()
         if process_set is None:
             return super()._moments(inputs, mask)

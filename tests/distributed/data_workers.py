@@ -1,6 +1,6 @@
 """Worker functions of the data pipeline tests, run on several Horovod ranks.
 
-Workers only read and report; tests/test_data_pipeline.py compares the reports of all
+Workers only read and report; tests/distributed/test_data_pipeline.py compares the reports of all
 ranks in the pytest process, so a failing check never leaves a rank waiting.
 """
 

@@ -1,4 +1,4 @@
-"""Worker side of tests/test_example.py: the README's example on every rank."""
+"""Worker side of tests/recipes/test_example.py: the README's example on every rank."""
 
 import importlib.util
 import os

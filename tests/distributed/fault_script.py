@@ -1,5 +1,5 @@
 """A 2-rank training job in which rank 1 fails on purpose, or (mode 'ok') trains with a
-progress bar (run by tests/test_faults.py).
+progress bar (run by tests/distributed/test_faults.py).
 
     horovodrun --gloo -np 2 -H localhost:2 python tests/distributed/fault_script.py --mode raise
 """

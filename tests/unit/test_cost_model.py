@@ -473,7 +473,7 @@ def test_plan_layout_auto_prints_the_choice_and_its_plan(capsys):
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "plan_layout.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools", "plan_layout.py")
     spec = importlib.util.spec_from_file_location("plan_layout", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

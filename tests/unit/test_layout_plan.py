@@ -22,7 +22,7 @@ import keras_spatial as ks  # noqa: E402
 from keras_spatial.mesh import Mesh  # noqa: E402
 from keras_spatial.plan import format_plan, plan_for_mesh, summary  # noqa: E402
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLI = os.path.join(REPO_ROOT, "tools", "plan_layout.py")
 
 

@@ -20,7 +20,7 @@ from recipes.writing import atomic_h5_file, check_seed, progress_bar, run_jobs, 
 from recipes.cosmoflow import universe as uv
 from recipes.unet3d import segmentation as seg
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIDUCIAL = dict(omega_m=0.3, sigma_8=0.8, n_s=0.96, h=0.7)
 
 

@@ -1,7 +1,7 @@
 """Augmentation by the symmetries of the cube: arithmetic, sharded reads, bad settings.
 
 The several-rank checks (each rank's shard of a transformed sample equals its part of the
-numpy transform of the whole sample) are in tests/test_data_pipeline.py.
+numpy transform of the whole sample) are in tests/distributed/test_data_pipeline.py.
 """
 
 import itertools
