@@ -25,6 +25,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_common as common  # noqa: E402  (benchmarks/, this script's folder)
+from recipes import cli  # noqa: E402  (the project's argparse types)
 from bench_halo import median_seconds  # noqa: E402
 
 
@@ -56,9 +57,12 @@ def loopback_round_trip_seconds(messages: int = 2000) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--chain", type=common.positive_int, default=50, help="collectives per call (default 50)")
-    parser.add_argument("--repeats", type=common.positive_int, default=7, help="timed calls (default 7)")
+    parser.add_argument("--chain", type=cli.positive_int("--chain"), default=None, help="collectives per call (default 50; 5 with --quick)")
+    parser.add_argument("--repeats", type=cli.positive_int("--repeats"), default=None, help="timed calls (default 7; 2 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: chains of 5, 2 timed calls")
     args = parser.parse_args(argv)
+    args.chain = args.chain or (5 if args.quick else 50)
+    args.repeats = args.repeats or (2 if args.quick else 7)
 
     import tensorflow as tf
 

@@ -30,6 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_common as common  # noqa: E402  (benchmarks/, this script's folder)
+from recipes import cli  # noqa: E402  (the project's argparse types)
 
 
 def step_worker(size: int, steps: int, start_at: float) -> None:
@@ -128,16 +129,20 @@ def run_with_idle_job(args, env: dict, policy: str) -> tuple[list[float], float]
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", type=common.positive_int, default=128, help="W (default 128)")
-    parser.add_argument("--processes", type=common.positive_int, default=2,
+    parser.add_argument("--size", type=cli.positive_int("--size"), default=None, help="W (default 128; 32 with --quick)")
+    parser.add_argument("--processes", type=cli.positive_int("--processes"), default=2,
                         help="concurrent step processes (default 2, one per core here)")
-    parser.add_argument("--steps", type=common.positive_int, default=10, help="timed steps (default 10)")
-    parser.add_argument("--settle", type=float, default=40.0,
-                        help="seconds given to the step workers to start and warm up (default 40)")
+    parser.add_argument("--steps", type=cli.positive_int("--steps"), default=None, help="timed steps (default 10; 2 with --quick)")
+    parser.add_argument("--settle", type=cli.positive_float("--settle"), default=None,
+                        help="seconds given to the step workers to start and warm up (default 40; 5 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: W=32, 2 timed steps, 5 s to settle, the idle policy only")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run (default 600)")
     parser.add_argument("--step-worker", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--idle-worker", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.size = args.size or (32 if args.quick else 128)
+    args.steps = args.steps or (2 if args.quick else 10)
+    args.settle = args.settle or (5.0 if args.quick else 40.0)
     if args.step_worker is not None:
         step_worker(args.size, args.steps, args.step_worker)
         return 0
@@ -152,7 +157,7 @@ def main(argv=None) -> int:
     print("alone ...", flush=True)
     alone = run_steps(args, env)
     rows.append(["alone", alone, None])
-    for policy in ("normal", "idle"):
+    for policy in ("idle",) if args.quick else ("normal", "idle"):
         print(f"next to an idle Horovod job, KERAS_SPATIAL_COMM_THREADS={policy} ...", flush=True)
         medians, cpu = run_with_idle_job(args, env, policy)
         rows.append([f"next to an idle 2-rank Horovod job, KERAS_SPATIAL_COMM_THREADS={policy}", medians, cpu])

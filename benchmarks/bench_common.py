@@ -19,7 +19,6 @@ before TensorFlow starts (`configure_threads`).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import fcntl
@@ -38,6 +37,8 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where `--quick` smoke runs write, so that they never touch docs/.
+QUICK_DIRECTORY = os.path.join(tempfile.gettempdir(), "keras_spatial_bench_quick")
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -57,30 +58,6 @@ UNET_PAPER_BASE_FILTERS = 32
 
 
 # Command-line helpers ------------------------------------------------------------------
-def spatial_shape_arg(text: str) -> tuple[int, int, int]:
-    """argparse type for 'sd,sh,sw' (e.g. '2,1,1')."""
-    try:
-        shape = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        shape = ()
-    if len(shape) != 3 or any(s < 1 for s in shape):
-        raise argparse.ArgumentTypeError(
-            f"must be three positive integers such as 4,1,1. Received: {text!r}"
-        )
-    return shape
-
-
-def positive_int(text: str) -> int:
-    """argparse type for an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer. Received: {text!r}")
-    return value
-
-
 def shape_text(shape: Sequence[int]) -> str:
     return "x".join(str(int(s)) for s in shape)
 

@@ -21,6 +21,9 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as common  # noqa: E402  (benchmarks/, this script's folder)
+from recipes import cli  # noqa: E402  (the project's argparse types)
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -84,10 +87,16 @@ def bench_layer(strategy, size: int, channels_in: int, filters: int, repeats: in
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="64,128", help="global extents W to measure")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--output", default="docs/bench_halo.md", help="table written by rank 0")
+    parser.add_argument("--sizes", default=None, help="global extents W to measure (default 64,128; 32 with --quick)")
+    parser.add_argument("--repeats", type=cli.positive_int("--repeats"), default=None, help="timed calls (default 7; 2 with --quick)")
+    parser.add_argument("--output", default=None,
+                        help="table written by rank 0 (default docs/bench_halo.md; in "
+                             f"{common.QUICK_DIRECTORY} with --quick)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: W=32, 2 timed calls, writes outside docs/")
     args = parser.parse_args()
+    args.sizes = args.sizes or ("32" if args.quick else "64,128")
+    args.repeats = args.repeats or (2 if args.quick else 7)
+    args.output = args.output or (os.path.join(common.QUICK_DIRECTORY, "bench_halo.md") if args.quick else "docs/bench_halo.md")
 
     import tensorflow as tf
 

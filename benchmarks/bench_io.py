@@ -39,7 +39,11 @@ from typing import Any
 
 import numpy as np
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as common  # noqa: E402  (benchmarks/, this script's folder; sets sys.path)
+from recipes import cli  # noqa: E402  (the project's argparse types)
+
+REPO_ROOT = common.REPO_ROOT
 # (spatial_shape, ranks): S = 1, 2, 4, depth splits, and (1, 2, 2) for strided reads.
 SPLITS = (((1, 1, 1), 1), ((2, 1, 1), 2), ((4, 1, 1), 4), ((1, 2, 2), 4))
 CHANNELS = 4
@@ -336,18 +340,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", default=None,
                         help="directory of the data set (written if missing); "
                              "default: a temporary directory, removed afterwards")
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--size", type=int, default=128, help="D = H = W of a sample")
-    parser.add_argument("--train-steps", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5,
+    parser.add_argument("--samples", type=cli.positive_int("--samples"), default=None, help="samples (default 16; 4 with --quick)")
+    parser.add_argument("--size", type=cli.positive_int("--size"), default=None, help="D = H = W of a sample (default 128; 16 with --quick)")
+    parser.add_argument("--train-steps", type=cli.positive_int("--train-steps"), default=None, help="(default 8; 2 with --quick)")
+    parser.add_argument("--repeats", type=cli.positive_int("--repeats"), default=None,
                         help="timed read epochs, warm and cold (fastest warm and median "
-                             "cold count)")
-    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "docs", "bench_io.md"),
-                        help="Markdown file to write ('' to only print)")
+                             "cold count; default 5, 1 with --quick)")
+    parser.add_argument("--out", default=None,
+                        help="Markdown file to write ('' to only print; default docs/bench_io.md, "
+                             "nothing with --quick)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 4 samples of 16^3, one read epoch, S = 1 and 2 only, prints only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--spatial-shape", type=int, nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    quick = args.quick
+    args.samples = args.samples or (4 if quick else 16)
+    args.size = args.size or (16 if quick else 128)
+    args.train_steps = args.train_steps or (2 if quick else 8)
+    args.repeats = args.repeats or (1 if quick else 5)
+    if args.out is None:
+        args.out = "" if quick else os.path.join(REPO_ROOT, "docs", "bench_io.md")
     if args.worker:
         worker(args)
         return
@@ -360,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         write_dataset(args.data, args.samples, args.size)
         rows = []
-        for spatial_shape, ranks in SPLITS:
+        for spatial_shape, ranks in (SPLITS[:2] if args.quick else SPLITS):
             print(f"S={int(np.prod(spatial_shape))} {spatial_shape} on {ranks} ranks ...",
                   flush=True)
             rows.append(table_row(spatial_shape, ranks, launch(spatial_shape, ranks, args)))

@@ -52,7 +52,7 @@ DEFAULT_SIZES = "128,256"
 QUICK_SIZES = "32,64"
 SPLITS = ((1, 1, 1), (2, 1, 1), (4, 1, 1))
 DEFAULT_PLOT = os.path.join(common.REPO_ROOT, "docs", "bench_memory.png")
-QUICK_DIRECTORY = os.path.join(tempfile.gettempdir(), "keras_spatial_bench_quick")
+QUICK_DIRECTORY = common.QUICK_DIRECTORY
 MIB = 2**20
 TARGET_RATIO = 0.3
 

@@ -59,6 +59,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as common  # noqa: E402  (sets sys.path and TF's log level first)
+from recipes import cli  # noqa: E402  (the project's argparse types)
 
 SECTION = "bench_scaling"
 # Above these, the verdicts carry a caution: cores other processes used just before a
@@ -68,7 +69,7 @@ STOLEN_LIMIT = 0.05
 DEFAULT_MODELS = "cosmoflow:64,cosmoflow:128,unet:64"
 QUICK_MODELS = "cosmoflow:32,unet:32"
 DEFAULT_PLOT = os.path.join(common.REPO_ROOT, "docs", "bench_scaling.png")
-QUICK_DIRECTORY = os.path.join(tempfile.gettempdir(), "keras_spatial_bench_quick")
+QUICK_DIRECTORY = common.QUICK_DIRECTORY
 # key -> (label, ranks, threads per rank, spatial shape or None for --four-way)
 CONFIGS = {
     "serial": ("1 rank, 1 thread", 1, 1, (1, 1, 1)),
@@ -621,14 +622,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"default {DEFAULT_MODELS} ({QUICK_MODELS} with --quick)")
     parser.add_argument("--configs", default=",".join(k for k in CONFIGS if k != "spatial1x1x2"),
                         help=f"comma-separated configurations out of {', '.join(CONFIGS)} (default: all but spatial1x1x2)")
-    parser.add_argument("--four-way", type=common.spatial_shape_arg, default=(4, 1, 1),
+    parser.add_argument("--four-way", type=cli.extents("--four-way", 1, "three positive integers D,H,W (e.g. 4,1,1)"), default=(4, 1, 1),
                         help="spatial shape of the 4-rank configuration (default 4,1,1; e.g. 2,2,1)")
-    parser.add_argument("--warmup", type=common.positive_int, default=None, help="warm-up steps (default 3; 2 with --quick)")
-    parser.add_argument("--steps", type=common.positive_int, default=None, help="timed steps (default 10; 2 with --quick)")
-    parser.add_argument("--component-repeats", type=common.positive_int, default=None,
+    parser.add_argument("--warmup", type=cli.positive_int("--warmup"), default=None, help="warm-up steps (default 3; 2 with --quick)")
+    parser.add_argument("--steps", type=cli.positive_int("--steps"), default=None, help="timed steps (default 10; 2 with --quick)")
+    parser.add_argument("--component-repeats", type=cli.positive_int("--component-repeats"), default=None,
                         help="timed calls of each isolated component (default 10; 3 with --quick)")
     common.add_optimizer_argument(parser)
-    parser.add_argument("--unet-filters", type=common.positive_int, default=8,
+    parser.add_argument("--unet-filters", type=cli.positive_int("--unet-filters"), default=8,
                         help="U-Net base width (the paper's is 32; default 8)")
     parser.add_argument("--unet-builder", choices=("bench", "recipe"), default="bench",
                         help="bench: bench_common.build_unet (default); recipe: "
@@ -640,7 +641,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-replicated-skip", action="store_true",
                         help="average the replicated layers' gradients over the world too (the "
                              "optimizer before that change, for before/after numbers)")
-    parser.add_argument("--rounds", type=common.positive_int, default=None,
+    parser.add_argument("--rounds", type=cli.positive_int("--rounds"), default=None,
                         help="times every configuration is run, in turn (round 1 of all of them, then "
                              "round 2, ...); the tables give the round with the median step and the "
                              "range (default 3; 1 with --quick)")

@@ -51,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--markdown", default=os.path.join(REPO_ROOT, "docs", "performance_model.md"))
     parser.add_argument("--plot", default=os.path.join(REPO_ROOT, "docs", "performance_scaling.png"))
     parser.add_argument("--print-only", action="store_true", help="print the tables, write nothing")
+    parser.add_argument("--quick", action="store_true", help="smoke test: the same as --print-only")
     return parser.parse_args(argv)
 
 
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     rows = predict(args)
     text = table(rows)
     print(text)
-    if not args.print_only:
+    if not (args.print_only or args.quick):
         write_section(args.markdown, text)
         plot(rows, args.plot)
     return 0

@@ -50,6 +50,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as common  # noqa: E402  (sets sys.path and TF's log level first)
+from recipes import cli  # noqa: E402  (the project's argparse types)
 from bench_scaling import CONFIGS, QUICK_DIRECTORY, check_jobs, plan_specs  # noqa: E402
 
 SECTION = "profile_step"
@@ -389,14 +390,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help=f"comma-separated configurations out of {', '.join(CONFIGS)}, as in "
                              f"benchmarks/bench_scaling.py; must include serial (default {DEFAULT_CONFIGS})")
-    parser.add_argument("--four-way", type=common.spatial_shape_arg, default=(4, 1, 1),
+    parser.add_argument("--four-way", type=cli.extents("--four-way", 1, "three positive integers D,H,W (e.g. 4,1,1)"), default=(4, 1, 1),
                         help="spatial shape of the 4-rank configuration spatial4 (default 4,1,1)")
-    parser.add_argument("--warmup", type=common.positive_int, default=None, help="warm-up steps (default 3; 1 with --quick)")
-    parser.add_argument("--steps", type=common.positive_int, default=None,
+    parser.add_argument("--warmup", type=cli.positive_int("--warmup"), default=None, help="warm-up steps (default 3; 1 with --quick)")
+    parser.add_argument("--steps", type=cli.positive_int("--steps"), default=None,
                         help="timed unprofiled steps (default 10; 3 with --quick)")
-    parser.add_argument("--profiled-steps", type=common.positive_int, default=None,
+    parser.add_argument("--profiled-steps", type=cli.positive_int("--profiled-steps"), default=None,
                         help="steps run under the profiler (default 3; 1 with --quick)")
-    parser.add_argument("--unet-filters", type=common.positive_int, default=8,
+    parser.add_argument("--unet-filters", type=cli.positive_int("--unet-filters"), default=8,
                         help="U-Net base width (the paper's is 32; default 8)")
     parser.add_argument("--cosmoflow-layout", choices=common.COSMOFLOW_LAYOUTS, default="recipe",
                         help="recipe: gather before block 5 as recipes.cosmoflow.train does (default); "

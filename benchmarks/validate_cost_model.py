@@ -38,6 +38,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as common  # noqa: E402  (benchmarks/, this script's folder; sets sys.path)
+from recipes import cli  # noqa: E402  (the project's argparse types)
 
 REPO_ROOT = common.REPO_ROOT
 BEGIN, END = "<!-- validate_cost_model:begin -->", "<!-- validate_cost_model:end -->"
@@ -211,10 +212,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--measured", default=None, help="a bench_scaling.py --json file (default: measure now)")
     parser.add_argument("--models", default=MODELS, help=f"for bench_scaling (default {MODELS})")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"for bench_scaling (default {DEFAULT_CONFIGS})")
-    parser.add_argument("--rounds", type=common.positive_int, default=1, help="bench_scaling rounds (default 1)")
-    parser.add_argument("--chain", type=common.positive_int, default=50, help="small allreduces per call (default 50)")
-    parser.add_argument("--repeats", type=common.positive_int, default=7, help="timed calls (default 7)")
-    parser.add_argument("--bandwidth-mib", type=common.positive_int, default=32,
+    parser.add_argument("--rounds", type=cli.positive_int("--rounds"), default=1, help="bench_scaling rounds (default 1)")
+    parser.add_argument("--chain", type=cli.positive_int("--chain"), default=50, help="small allreduces per call (default 50)")
+    parser.add_argument("--repeats", type=cli.positive_int("--repeats"), default=7, help="timed calls (default 7)")
+    parser.add_argument("--bandwidth-mib", type=cli.positive_int("--bandwidth-mib"), default=32,
                         help="MiB per large allreduce (default 32)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per job (default 1800)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 32^3 steps, small transfers, writes nothing")

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="learning-rate schedule of recipes.cosmoflow.train (default warmup-cosine)")
     parser.add_argument("--head", default="gap-bn", choices=("flatten", "gap", "gap-bn"),
                         help="dense-head input of the paper model (default gap-bn)")
+    parser.add_argument("--batch-norm", action="store_true",
+                        help="batch normalization between every convolution of the trunk and its "
+                             "activation (recipes.cosmoflow.train --batch-norm)")
     parser.add_argument("--augment", default="cube", choices=("none", "flips", "cube"),
                         help="symmetries of the cube applied to training universes (default cube)")
     parser.add_argument("--reuse-trained", action="store_true",
@@ -98,7 +101,7 @@ def train(args, data: str, crop: int, out: str, env: dict) -> float:
         "--epochs", str(args.epochs), "--learning-rate", str(args.learning_rate),
         "--schedule", args.schedule, "--head", args.head, "--augment", args.augment,
         "--out", out, "--seed", "0",
-    ]
+    ] + (["--batch-norm"] if args.batch_norm else [])
     print("  " + " ".join(command), flush=True)
     start = time.perf_counter()
     status = run_quietly(command, env, REPO_ROOT)
@@ -271,6 +274,7 @@ def _finished_run(out: str, args):
     config = record.get("config", {})
     same = (len(record.get("history", {}).get("loss", [])) == args.epochs
             and config.get("head") == args.head and config.get("schedule") == args.schedule
+            and bool(config.get("batch_norm")) == args.batch_norm
             and (config.get("augment") or "none") == args.augment)
     return record if same else None
 
@@ -300,7 +304,7 @@ def _report(args, argv, rows, baseline, train_files, val_files, wall_minutes, wr
         f"(synthetic lognormal, 128^3 x 4 redshifts, 512 Mpc/h), same initial weights, "
         f"{args.epochs} epochs, global batch {args.batch_size}, schedule {args.schedule} "
         f"(peak {args.learning_rate:g}), head {args.head}, augmentation {args.augment}; the "
-        "paper's CosmoFlow trunk with the input standardization of `recipes.cosmoflow.train`; "
+        f"paper's CosmoFlow trunk{' with batch normalization after every convolution' if args.batch_norm else ''} with the input standardization of `recipes.cosmoflow.train`; "
         "the crops are the corner C^3 of each universe. Validation MSE per parameter, each "
         "scaled to [-1, 1] (a uniform label has variance 1/3); the CNN from the saved "
         "model.keras loaded in one process:",
