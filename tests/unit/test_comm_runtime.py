@@ -3,6 +3,7 @@
 import contextlib
 import os
 import threading
+import time
 
 import pytest
 
@@ -47,7 +48,9 @@ def test_policies_reject_unknown_values(monkeypatch, read, variable, value, mess
 
 @contextlib.contextmanager
 def waiting_thread():
-    """A started thread that waits until the block ends (then joined)."""
+    """A started thread that waits until the block ends (then joined, and gone from the
+    kernel's task list: `join` returns when Python is done with the thread, which can be
+    a moment before the kernel has removed it, most of all on a loaded machine)."""
     started, release = threading.Event(), threading.Event()
 
     def wait():
@@ -62,6 +65,10 @@ def waiting_thread():
     finally:
         release.set()
         thread.join()
+        task = f"/proc/self/task/{thread.native_id}"
+        deadline = time.monotonic() + 30.0
+        while os.path.exists(task) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
 @linux_only
