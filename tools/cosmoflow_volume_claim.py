@@ -292,7 +292,7 @@ def _report(args, argv, rows, baseline, train_files, val_files, wall_minutes, wr
         "# CosmoFlow on larger volumes: the paper's claim in small",
         "",
         f"Command: `{_command(argv)}` ({datetime.date.today().isoformat()}, 2 cores, "
-        f"{args.np} Horovod ranks, each sample split {args.np},1,1). Total wall time "
+        f"{args.np} Horovod rank{'s' if args.np > 1 else ''}, each sample split {args.np},1,1). Total wall time "
         f"{wall_minutes:.1f} min (writing universes {write_seconds:.0f} s, reference "
         f"features {reference_seconds:.0f} s"
         + (f"; the {', '.join(f'{c}^3' for c in reused)} training counted from its "
@@ -304,7 +304,7 @@ def _report(args, argv, rows, baseline, train_files, val_files, wall_minutes, wr
         f"(synthetic lognormal, 128^3 x 4 redshifts, 512 Mpc/h), same initial weights, "
         f"{args.epochs} epochs, global batch {args.batch_size}, schedule {args.schedule} "
         f"(peak {args.learning_rate:g}), head {args.head}, augmentation {args.augment}; the "
-        f"paper's CosmoFlow trunk{' with batch normalization after every convolution' if args.batch_norm else ''} with the input standardization of `recipes.cosmoflow.train`; "
+        f"paper's CosmoFlow trunk{' (batch normalization after every convolution)' if args.batch_norm else ''} with the input standardization of `recipes.cosmoflow.train`; "
         "the crops are the corner C^3 of each universe. Validation MSE per parameter, each "
         "scaled to [-1, 1] (a uniform label has variance 1/3); the CNN from the saved "
         "model.keras loaded in one process:",
