@@ -10,8 +10,8 @@ Usage (from the repository root)::
    when they are there) and uses the first --count of the directory.
 2. Trains the paper's CosmoFlow trunk, from the same initial weights (seed), on the corner
    crops 32^3, 64^3 and on the whole 128^3 volumes of the SAME universes: same training
-   and validation files, epochs, batch, schedule, head and augmentation, on --np local
-   ranks with each sample split in depth (`python -m recipes.cosmoflow.train --crop C
+   and validation files, epochs, batch, schedule, head, batch normalization and
+   augmentation, on --np local ranks with each sample split in depth (`python -m recipes.cosmoflow.train --crop C
    --spatial np,1,1 ...`).
 3. Loads every trained model.keras in this one process (a whole-volume model), predicts
    the validation crops and reports the validation MSE per cosmological parameter, next
@@ -57,21 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cosmoflow_volume_claim.py", description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default=os.path.join(REPO_ROOT, "outputs", "claim"),
                         help="work directory: universes/ and one run per crop (default outputs/claim)")
-    parser.add_argument("--count", type=int, default=512, help="universes (default 512; 1/4 validate)")
+    parser.add_argument("--count", type=int, default=384, help="universes (default 384; 1/4 validate)")
     parser.add_argument("--crops", type=_crops, default=[32, 64, 128],
                         help="crop extents to compare (default 32,64,128)")
-    parser.add_argument("--epochs", type=int, default=12, help="epochs for every crop (default 12)")
+    parser.add_argument("--epochs", type=int, default=16, help="epochs for every crop (default 16)")
     parser.add_argument("--batch-size", type=int, default=4, help="global batch (default 4)")
     parser.add_argument("--learning-rate", type=float, default=1e-3,
                         help="peak Adam learning rate (default 1e-3)")
     parser.add_argument("--schedule", default="warmup-cosine",
                         choices=("constant", "warmup-cosine", "mlperf"),
                         help="learning-rate schedule of recipes.cosmoflow.train (default warmup-cosine)")
-    parser.add_argument("--head", default="gap-bn", choices=("flatten", "gap", "gap-bn"),
-                        help="dense-head input of the paper model (default gap-bn)")
-    parser.add_argument("--batch-norm", action="store_true",
+    parser.add_argument("--head", default="gap", choices=("flatten", "gap", "gap-bn"),
+                        help="dense-head input of the paper model (default gap)")
+    parser.add_argument("--batch-norm", action=argparse.BooleanOptionalAction, default=True,
                         help="batch normalization between every convolution of the trunk and its "
-                             "activation (recipes.cosmoflow.train --batch-norm)")
+                             "activation (recipes.cosmoflow.train --batch-norm; default on, "
+                             "see docs/cosmoflow_claim.md)")
     parser.add_argument("--augment", default="cube", choices=("none", "flips", "cube"),
                         help="symmetries of the cube applied to training universes (default cube)")
     parser.add_argument("--reuse-trained", action="store_true",
@@ -79,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "epochs) instead of training it again, e.g. after an interruption")
     parser.add_argument("--json", default=os.path.join(REPO_ROOT, "docs", "cosmoflow_claim.json"),
                         help="machine-readable per-parameter MSE (default docs/cosmoflow_claim.json)")
-    parser.add_argument("--np", type=int, default=2, help="ranks; each sample split np,1,1 (default 2)")
+    parser.add_argument("--np", type=int, default=1,
+                        help="ranks; each sample split np,1,1 (default 1: on a 2-core machine one "
+                             "process with 2 threads trains fastest, and a split trains the same model)")
     parser.add_argument("--doc", default=os.path.join(REPO_ROOT, "docs", "cosmoflow_claim.md"),
                         help="markdown report; the plot is written next to it (.png)")
     return parser
