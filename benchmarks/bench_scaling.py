@@ -54,7 +54,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +69,8 @@ DEFAULT_MODELS = "cosmoflow:64,cosmoflow:128,unet:64"
 QUICK_MODELS = "cosmoflow:32,unet:32"
 DEFAULT_PLOT = os.path.join(common.REPO_ROOT, "docs", "bench_scaling.png")
 QUICK_DIRECTORY = common.QUICK_DIRECTORY
+# argparse type of --four-way (here and in profile_step.py).
+four_way_shape = cli.extents("--four-way", 1, "three positive integers D,H,W (e.g. 4,1,1)")
 # key -> (label, ranks, threads per rank, spatial shape or None for --four-way)
 CONFIGS = {
     "serial": ("1 rank, 1 thread", 1, 1, (1, 1, 1)),
@@ -622,7 +623,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"default {DEFAULT_MODELS} ({QUICK_MODELS} with --quick)")
     parser.add_argument("--configs", default=",".join(k for k in CONFIGS if k != "spatial1x1x2"),
                         help=f"comma-separated configurations out of {', '.join(CONFIGS)} (default: all but spatial1x1x2)")
-    parser.add_argument("--four-way", type=cli.extents("--four-way", 1, "three positive integers D,H,W (e.g. 4,1,1)"), default=(4, 1, 1),
+    parser.add_argument("--four-way", type=four_way_shape, default=(4, 1, 1),
                         help="spatial shape of the 4-rank configuration (default 4,1,1; e.g. 2,2,1)")
     parser.add_argument("--warmup", type=cli.positive_int("--warmup"), default=None, help="warm-up steps (default 3; 2 with --quick)")
     parser.add_argument("--steps", type=cli.positive_int("--steps"), default=None, help="timed steps (default 10; 2 with --quick)")

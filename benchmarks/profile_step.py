@@ -51,7 +51,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as common  # noqa: E402  (sets sys.path and TF's log level first)
 from recipes import cli  # noqa: E402  (the project's argparse types)
-from bench_scaling import CONFIGS, QUICK_DIRECTORY, check_jobs, plan_specs  # noqa: E402
+from bench_scaling import CONFIGS, QUICK_DIRECTORY, check_jobs, four_way_shape, plan_specs  # noqa: E402
 
 SECTION = "profile_step"
 DEFAULT_MODELS = "cosmoflow:128"
@@ -390,7 +390,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help=f"comma-separated configurations out of {', '.join(CONFIGS)}, as in "
                              f"benchmarks/bench_scaling.py; must include serial (default {DEFAULT_CONFIGS})")
-    parser.add_argument("--four-way", type=cli.extents("--four-way", 1, "three positive integers D,H,W (e.g. 4,1,1)"), default=(4, 1, 1),
+    parser.add_argument("--four-way", type=four_way_shape, default=(4, 1, 1),
                         help="spatial shape of the 4-rank configuration spatial4 (default 4,1,1)")
     parser.add_argument("--warmup", type=cli.positive_int("--warmup"), default=None, help="warm-up steps (default 3; 1 with --quick)")
     parser.add_argument("--steps", type=cli.positive_int("--steps"), default=None,
