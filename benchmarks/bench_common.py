@@ -187,52 +187,6 @@ def ru_maxrss_kib() -> int:
 
 
 # Models -----------------------------------------------------------------------------------
-def build_unet(size: int, base_filters: int, batch_norm: bool = True):
-    """A 3D U-Net with the paper's structure (docs/science.md) and `base_filters` in place of 32.
-
-    Encoder levels: two [SpatialConv3D 3^3 'same' (no bias) -> SpatialBatchNormalization ->
-    ReLU] of (b, 2b), (2b, 4b), (4b, 8b) filters, each followed by a 2^3 max pool; bottom
-    (8b, 16b); decoder: SpatialConv3DTranspose 2^3 stride 2 of 16b, 8b, 4b filters,
-    concatenate the skip, two conv blocks of 8b, 4b, 2b; a 1^3 conv to 3 classes and a
-    softmax. b = 32 is the paper's 19 M-parameter model. Build it inside a strategy's
-    scope for a split model; `size` must be divisible by 8 (and by 8 x the shards).
-    """
-    import keras
-
-    import keras_spatial as ks
-    from keras_spatial import layers as ks_layers
-
-    if size % 2**UNET_LEVELS:
-        raise ValueError(
-            f"The U-Net pools {UNET_LEVELS} times by 2: the size must be a multiple of "
-            f"{2 ** UNET_LEVELS}. Received: size={size}"
-        )
-
-    def conv_block(x, filters, name):
-        x = ks_layers.SpatialConv3D(filters, 3, padding="same", use_bias=not batch_norm, name=f"{name}_conv")(x)
-        if batch_norm:
-            x = ks_layers.SpatialBatchNormalization(name=f"{name}_bn")(x)
-        return keras.layers.ReLU(name=f"{name}_relu")(x)
-
-    inputs = ks.Input((size, size, size, CHANNELS), name="volume")
-    x, skips, b = inputs, [], base_filters
-    for level in range(UNET_LEVELS):
-        x = conv_block(x, b * 2**level, f"enc{level}a")
-        x = conv_block(x, b * 2 ** (level + 1), f"enc{level}b")
-        skips.append(x)
-        x = ks_layers.SpatialMaxPooling3D(2, name=f"enc{level}_pool")(x)
-    x = conv_block(x, b * 2**UNET_LEVELS, "bottom_a")
-    x = conv_block(x, b * 2 ** (UNET_LEVELS + 1), "bottom_b")
-    for level in reversed(range(UNET_LEVELS)):
-        x = ks_layers.SpatialConv3DTranspose(b * 2 ** (level + 2), 2, strides=2, name=f"dec{level}_up")(x)
-        x = keras.layers.Concatenate(axis=-1, name=f"dec{level}_concat")([x, skips[level]])
-        x = conv_block(x, b * 2 ** (level + 1), f"dec{level}a")
-        x = conv_block(x, b * 2 ** (level + 1), f"dec{level}b")
-    x = ks_layers.SpatialConv3D(UNET_CLASSES, 1, name="classes")(x)
-    outputs = keras.layers.Softmax(axis=-1, name="softmax")(x)
-    return keras.Model(inputs, outputs, name=f"unet3d_b{base_filters}_{size}")
-
-
 # CosmoFlow layouts: "recipe" gathers before block 5 (recipes.cosmoflow.train's default,
 # where LBANN stops the split) when that is valid; "split-all" splits up to the flatten
 # whenever it can (the layout before that optimisation).
@@ -314,32 +268,26 @@ def _check_layouts_main(items: list[dict]) -> None:
 
 
 def build_benchmark_model(spec: dict):
-    """The model of `spec` (keys model, size, gather_before_block, unet_filters,
-    unet_builder), built in the current scope.
-
-    The U-Net comes from `build_unet` (unet_builder "bench", the default) or from
-    `recipes.unet3d.model.build_model` (unet_builder "recipe": same structure; an
-    ImportError if that module is missing, never a silent substitute).
+    """The model of `spec` (keys model, size, gather_before_block, unet_filters), built
+    in the current scope: CosmoFlow is `recipes.cosmoflow.model.build_model(size,
+    'paper')`, the U-Net `recipes.unet3d.model.build_model` with the paper's structure
+    (depth 3, 3 classes, batch norm) at base width `unet_filters`.
     """
     if spec["model"] == "cosmoflow":
         from recipes.cosmoflow.model import build_model
 
         return build_model(spec["size"], "paper", gather_before_block=spec.get("gather_before_block"))
     if spec["model"] == "unet":
-        if spec.get("unet_builder", "bench") == "recipe":
-            from recipes.unet3d.model import build_model
+        from recipes.unet3d.model import build_model
 
-            return build_model((spec["size"],) * 3 + (CHANNELS,), classes=UNET_CLASSES,
-                               depth=UNET_LEVELS, base_filters=spec["unet_filters"])
-        return build_unet(spec["size"], spec["unet_filters"])
+        return build_model((spec["size"],) * 3 + (CHANNELS,), classes=UNET_CLASSES,
+                           depth=UNET_LEVELS, base_filters=spec["unet_filters"])
     raise ValueError(f"Unknown model {spec['model']!r}; expected one of {MODELS}.")
 
 
 def model_label(spec: dict) -> str:
     if spec["model"] == "cosmoflow":
         return "CosmoFlow (paper)"
-    if spec.get("unet_builder") == "recipe":
-        return f"3D U-Net (recipe, base {spec['unet_filters']} filters)"
     factor = UNET_PAPER_BASE_FILTERS // spec["unet_filters"] if UNET_PAPER_BASE_FILTERS % spec["unet_filters"] == 0 else None
     width = f"1/{factor} width" if factor and factor > 1 else f"base {spec['unet_filters']} filters"
     return f"3D U-Net ({width})"

@@ -87,14 +87,15 @@ def bench_layer(strategy, size: int, channels_in: int, filters: int, repeats: in
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default=None, help="global extents W to measure (default 64,128; 32 with --quick)")
+    parser.add_argument("--sizes", type=cli.int_list("--sizes", 2), default=None,
+                        help="global extents W to measure (default 64,128; 32 with --quick)")
     parser.add_argument("--repeats", type=cli.positive_int("--repeats"), default=None, help="timed calls (default 7; 2 with --quick)")
     parser.add_argument("--output", default=None,
                         help="table written by rank 0 (default docs/bench_halo.md; in "
                              f"{common.QUICK_DIRECTORY} with --quick)")
     parser.add_argument("--quick", action="store_true", help="smoke test: W=32, 2 timed calls, writes outside docs/")
     args = parser.parse_args()
-    args.sizes = args.sizes or ("32" if args.quick else "64,128")
+    args.sizes = args.sizes or ([32] if args.quick else [64, 128])
     args.repeats = args.repeats or (2 if args.quick else 7)
     args.output = args.output or (os.path.join(common.QUICK_DIRECTORY, "bench_halo.md") if args.quick else "docs/bench_halo.md")
 
@@ -109,7 +110,7 @@ def main() -> int:
         print("run on 2 ranks: horovodrun --gloo -np 2 -H localhost:2 python benchmarks/bench_halo.py")
         return 2
     rows = []
-    for size in (int(s) for s in args.sizes.split(",")):
+    for size in args.sizes:
         for channels_in, filters, extent in ((4, 16, size), (16, 32, size // 2)):
             row = bench_layer(strategy, extent, channels_in, filters, args.repeats)
             row["network"] = size
@@ -122,7 +123,7 @@ def main() -> int:
         "# Halo exchange vs local convolution (2 ranks, split 2x1x1)",
         "",
         f"Command: `.venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python benchmarks/bench_halo.py "
-        f"--sizes {args.sizes} --repeats {args.repeats}`  ",
+        f"--sizes {','.join(map(str, args.sizes))} --repeats {args.repeats}`  ",
         f"Date: {datetime.date.today().isoformat()}; machine: {os.cpu_count()} cores, "
         f"{platform.machine()}, TensorFlow {tf.__version__}; one intra-op thread per rank; "
         "median of the timed calls; rank 0's numbers.",

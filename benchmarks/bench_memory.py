@@ -45,6 +45,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as common  # noqa: E402  (sets sys.path and TF's log level first)
+from recipes import cli  # noqa: E402  (the project's argparse types)
 
 SECTION = "bench_memory"
 DEFAULT_SIZES = "128,256"
@@ -394,9 +395,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog="full run:    .venv/bin/python benchmarks/bench_memory.py\n"
                "smoke test:  .venv/bin/python benchmarks/bench_memory.py --quick",
     )
-    parser.add_argument("--sizes", default=None,
+    parser.add_argument("--sizes", type=cli.int_list("--sizes", 32), default=None,
                         help=f"comma-separated cubic sizes W (default {DEFAULT_SIZES}; {QUICK_SIZES} with --quick)")
-    parser.add_argument("--reference-size", type=int, default=32,
+    parser.add_argument("--reference-size", type=cli.non_negative_int("--reference-size"), default=32,
                         help="W of the extra jobs that measure the W-independent part of a step's "
                              "memory (default 32, the smallest the model takes; 0 to skip)")
     common.add_optimizer_argument(parser)
@@ -412,13 +413,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.worker is not None:
         return args
-    text = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
-    try:
-        args.sizes = [int(s) for s in text.split(",")]
-    except ValueError:
-        parser.error(f"--sizes takes comma-separated integers. Received: {text!r}")
-    if args.reference_size < 0:
-        parser.error(f"--reference-size must be 0 (none) or a size. Received: {args.reference_size}")
+    args.sizes = args.sizes or [int(s) for s in (QUICK_SIZES if args.quick else DEFAULT_SIZES).split(",")]
     args.out = os.path.abspath(args.out or (os.path.join(QUICK_DIRECTORY, "benchmarks.md") if args.quick else common.BENCHMARKS_MD))
     args.plot = os.path.abspath(args.plot or (os.path.join(QUICK_DIRECTORY, "bench_memory.png") if args.quick else DEFAULT_PLOT))
     args.parser = parser

@@ -514,18 +514,11 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         "first block that cannot (`gather_before_block`, chosen by the layout plan; the "
         "remaining blocks then run replicated on every rank).",
     ]
-    if unet and unet[0]["unet_builder"] == "recipe":
+    if unet:
         row = unet[0]
         lines.append(
             f"- The U-Net is `recipes.unet3d.model.build_model(depth=3, base_filters="
-            f"{row['unet_filters']}, batch_norm=True)` (the paper's structure at base width "
-            f"{row['unet_filters']} instead of 32, {row['parameters']:,} parameters); MSE against a "
-            "random per-voxel target (the timing, not the task, matters here)."
-        )
-    elif unet:
-        row = unet[0]
-        lines.append(
-            f"- The U-Net is `bench_common.build_unet`: the paper's structure (3 levels of two "
+            f"{row['unet_filters']}, batch_norm=True)`: the paper's structure (3 levels of two "
             f"[conv 3^3 -> synchronized SpatialBatchNormalization -> ReLU] and a 2^3 max pool, "
             f"transposed conv 2^3/2 up, skip concatenation, 1^3 conv to 3 classes, softmax) with "
             f"base width {row['unet_filters']} instead of 32 ({row['parameters']:,} parameters); "
@@ -632,9 +625,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_optimizer_argument(parser)
     parser.add_argument("--unet-filters", type=cli.positive_int("--unet-filters"), default=8,
                         help="U-Net base width (the paper's is 32; default 8)")
-    parser.add_argument("--unet-builder", choices=("bench", "recipe"), default="bench",
-                        help="bench: bench_common.build_unet (default); recipe: "
-                             "recipes.unet3d.model.build_model (same structure)")
     parser.add_argument("--cosmoflow-layout", choices=common.COSMOFLOW_LAYOUTS, default="recipe",
                         help="recipe: gather before block 5 as recipes.cosmoflow.train does (default); "
                              "split-all: split up to the flatten where possible (the layout before "
@@ -769,7 +759,7 @@ def main(argv=None) -> int:
     common.horovodrun_path()  # fail now, not after the one-rank runs
     specs = plan_specs(
         args, component_repeats=args.component_repeats, optimizer=args.optimizer,
-        unet_builder=args.unet_builder, replicated_skip=not args.no_replicated_skip,
+        replicated_skip=not args.no_replicated_skip,
     )
     per_spec = [[] for _ in specs]  # one row per round
     for round_index in range(args.rounds):

@@ -160,6 +160,31 @@ def int_at_least(flag: str, low: int, what: Optional[str] = None) -> Callable[[s
     return parse
 
 
+def int_list(flag: str, low: int = 1, high: Optional[int] = None) -> Callable[[str], list]:
+    """Returns an argparse type for comma-separated integers in [low, high], e.g. '32,64'.
+
+    Args:
+        flag: the option's name, quoted in the error message.
+        low: the smallest value allowed. Defaults to 1.
+        high: the largest value allowed, or None for no bound. Defaults to None.
+
+    Returns:
+        A function of the argument's text returning the sorted list of distinct values.
+    """
+    what = f"comma-separated integers of at least {low}" + (f" and at most {high}" if high is not None else "")
+
+    def parse(text: str) -> list:
+        try:
+            values = sorted({int(part) for part in text.split(",")})
+        except ValueError:
+            values = []
+        if not values or values[0] < low or (high is not None and values[-1] > high):
+            raise argparse.ArgumentTypeError(f"must be {what}. Received: {flag} {text!r}")
+        return values
+
+    return parse
+
+
 def bounded_float(flag: str, what: str, low: float, high: float,
                   low_inclusive: bool = False) -> Callable[[str], float]:
     """Returns an argparse type for a number in (low, high), or [low, high).

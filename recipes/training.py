@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 from recipes import cli
 from recipes.cli import BadArgument

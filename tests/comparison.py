@@ -37,3 +37,20 @@ def excess(actual, expected, rtol: float = 1e-5, atol: float = 1e-5) -> float:
 def failures(numbers: Mapping[str, object]) -> dict:
     """The float entries of `numbers` that are not <= 0 (so NaN is a failure)."""
     return {k: v for k, v in numbers.items() if isinstance(v, float) and not v <= 0}
+
+
+def assert_reloads_identically(model, x, path):
+    """Saves `model` to the `.keras` file `path`, loads it back, and checks that the
+    loaded model has the same layer classes and predicts exactly the same on `x`.
+
+    Returns:
+        (loaded model, the original model's prediction on `x`).
+    """
+    import keras
+
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert [type(layer).__name__ for layer in loaded.layers] == [type(layer).__name__ for layer in model.layers]
+    expected = model.predict(x, verbose=0)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), expected)
+    return loaded, expected

@@ -37,31 +37,23 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # recipes.cosmoflow.references
 from demo_cosmoflow import job_environment, run_quietly  # noqa: E402  (tools/)
+from recipes import cli  # noqa: E402  (the project's argparse types)
 UNIVERSE_SIZE = 128
 PARAMETERS = ("Omega_m", "sigma_8", "n_s", "h")
-
-
-def _crops(text: str) -> list:
-    try:
-        crops = sorted({int(v) for v in text.split(",")})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated integers. Received: {text!r}")
-    if not crops or any(c < 32 or c > UNIVERSE_SIZE for c in crops):
-        raise argparse.ArgumentTypeError(
-            f"crops must lie in [32, {UNIVERSE_SIZE}] (the model needs at least 32). Received: {text!r}"
-        )
-    return crops
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cosmoflow_volume_claim.py", description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default=os.path.join(REPO_ROOT, "outputs", "claim"),
                         help="work directory: universes/ and one run per crop (default outputs/claim)")
-    parser.add_argument("--count", type=int, default=384, help="universes (default 384; 1/4 validate)")
-    parser.add_argument("--crops", type=_crops, default=[32, 64, 128],
-                        help="crop extents to compare (default 32,64,128)")
-    parser.add_argument("--epochs", type=int, default=16, help="epochs for every crop (default 16)")
-    parser.add_argument("--batch-size", type=int, default=4, help="global batch (default 4)")
+    parser.add_argument("--count", type=cli.int_at_least("--count", 8), default=384, help="universes (default 384; 1/4 validate)")
+    parser.add_argument("--crops", type=cli.int_list("--crops", 32, UNIVERSE_SIZE), default=[32, 64, 128],
+                        help=f"crop extents to compare, from 32 (the model's smallest input) to "
+                             f"{UNIVERSE_SIZE} (default 32,64,128)")
+    parser.add_argument("--epochs", type=cli.positive_int("--epochs"), default=16,
+                        help="epochs for every crop (default 16)")
+    parser.add_argument("--batch-size", type=cli.positive_int("--batch-size"), default=4,
+                        help="global batch (default 4)")
     parser.add_argument("--learning-rate", type=float, default=1e-3,
                         help="peak Adam learning rate (default 1e-3)")
     parser.add_argument("--schedule", default="warmup-cosine",
@@ -141,7 +133,6 @@ def _plot(rows, histories, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for crop, history in histories.items():
@@ -177,8 +168,6 @@ def _plot(rows, histories, path: str) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.count < 8:
-        raise SystemExit("error: --count must be at least 8")
     env = job_environment()
     os.environ.update({k: env[k] for k in ("TF_CPP_MIN_LOG_LEVEL",)})
     data = os.path.join(args.dir, "universes")

@@ -58,7 +58,6 @@ def per_parameter_table(run_dir: str, config: dict) -> None:
     """Prints the validation MSE per parameter of the trained model (loaded in this one
     process) next to the reference estimators fitted on the training universes."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import numpy as np
 
     sys.path.insert(0, REPO_ROOT)
     from cosmoflow_volume_claim import predict_validation

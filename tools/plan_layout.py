@@ -73,13 +73,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def builder(args: argparse.Namespace, gather_before_block=None):
     """A function of no arguments building the recipe model of `args` (global shapes)."""
     if args.model == "cosmoflow":
-        from recipes.cosmoflow.model import build_model
+        from recipes.cosmoflow.model import build_model as build_cosmoflow
 
-        return lambda: build_model(args.size, args.variant, channels=args.channels or 4,
-                                   batch_norm=args.batch_norm, gather_before_block=gather_before_block)
-    from recipes.unet3d.model import build_model
+        return lambda: build_cosmoflow(args.size, args.variant, channels=args.channels or 4,
+                                       batch_norm=args.batch_norm, gather_before_block=gather_before_block)
+    from recipes.unet3d.model import build_model as build_unet
 
-    return lambda: build_model((args.size,) * 3 + (args.channels or 1,), batch_norm=args.batch_norm)
+    return lambda: build_unet((args.size,) * 3 + (args.channels or 1,), batch_norm=args.batch_norm)
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,7 @@ sys.path.insert(0, REPO_ROOT)
 import argparse  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
-from recipes.cli import extents, int_at_least, non_negative_int, positive_int  # noqa: E402
+from recipes.cli import extents, non_negative_int, positive_int  # noqa: E402
 from recipes.writing import (  # noqa: E402
     check_seed,
     prepare_output_directory,

@@ -1,9 +1,7 @@
 """Batch normalization whose statistics span the ranks that share the batch."""
 
 import keras
-import tensorflow as tf
 
-from keras_spatial import comm
 from keras_spatial.errors import SpatialNotSupportedError
 from keras_spatial.context import get_strategy
 from keras_spatial.ops.batch_norm_moments import global_moments

@@ -185,8 +185,6 @@ def checkpoint_and_resume(strategy, directory, epochs=2, steps=3, per_group=2, s
     """
     import keras
 
-    import keras_spatial as ks
-
     global_shape = (size, size, size, 2)
     x, y, x_rank, y_rank = _data(strategy, global_shape, steps, per_group, seed=2)
 

@@ -79,7 +79,6 @@ def test_conv3d_flops_bytes_and_parameters(model):
 
 
 def test_batch_multiplies_flops(model):
-    one = by_name(cm.model_costs(model, (1, 1, 1)))["conv2"]
     three = by_name(cm.model_costs(model, (1, 1, 1), batch_size=3))["conv2"]
     assert three.forward_flops == 3 * 442368
     assert three.activation_bytes == 3 * 2048 * 4

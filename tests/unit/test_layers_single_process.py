@@ -7,6 +7,7 @@ keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
 import keras_spatial as ks  # noqa: E402
+from tests.comparison import assert_reloads_identically  # noqa: E402
 from tests.distributed.layer_cases import conv_grid, pool_grid  # noqa: E402
 from tests.distributed.layer_workers import build_layer, outputs_and_grads, stack_model  # noqa: E402
 
@@ -61,12 +62,8 @@ def test_model_saves_and_loads(tmp_path):
     keras.utils.set_random_seed(3)
     model = stack_model((16, 16, 16, 2))
     x = np.random.default_rng(0).uniform(-1, 1, (2, 16, 16, 16, 2)).astype("float32")
-    path = tmp_path / "stack.keras"
-    model.save(path)
-    loaded = keras.saving.load_model(path)
-    assert [type(layer).__name__ for layer in loaded.layers] == [type(layer).__name__ for layer in model.layers]
+    loaded, _ = assert_reloads_identically(model, x, tmp_path / "stack.keras")
     assert loaded.get_layer(index=0).global_batch_shape == (None, 16, 16, 16, 2)
-    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
 def test_input_keeps_global_shape_in_config():
