@@ -259,3 +259,89 @@ def plan_axis(global_extent: int, shards: int, window: Window) -> AxisPlan:
         owned.append((j * local_in, (j + 1) * local_in))
         needed.append((o0 * window.stride - p, (o1 - 1) * window.stride - p + window.extent))
     return AxisPlan(global_extent, shards, window, out, tuple(owned), tuple(needed))
+
+
+def transposed_output_extent(input_extent: int, kernel: int, stride: int, padding: str,
+                             output_padding: Optional[int] = None) -> int:
+    """Global output extent of a transposed convolution along one axis, as Keras computes
+    it (no dilation): 'valid' gives (E-1)*t + k + output_padding (output_padding defaults
+    to max(k, t) - k), 'same' gives E*t (or (E-1)*t + k % 2 + output_padding)."""
+    if padding == "valid":
+        extra = max(kernel, stride) - kernel if output_padding is None else output_padding
+        return (input_extent - 1) * stride + kernel + extra
+    if output_padding is None:
+        return input_extent * stride
+    return (input_extent - 1) * stride + kernel % 2 + output_padding
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposedAxisPlan(AxisPlan):
+    """The plan of one split axis of a transposed convolution.
+
+    Global output o sums input i times kernel tap m wherever i*t + m = o + pad_before.
+    A shard receives the inputs `needed` (the inputs any of its outputs reads; outside
+    [0, E) they are zeros), runs the 'valid' transposed convolution on them, and keeps
+    the outputs from `output_start(shard)` on (`keras_spatial.ops.transposed_convolution_shard`).
+    `window` holds the kernel, stride and padding mode.
+
+    Attributes:
+        pad_before: TensorFlow's leading padding of the transposed convolution: the raw
+            outputs i*t + m it drops before global output 0.
+    """
+
+    pad_before: int = 0
+
+    def output_start(self, shard: int) -> int:
+        """Where `shard`'s first output lies in the 'valid' transposed convolution of
+        its needed inputs; negative when it lies in a gap that no input reaches (k < t),
+        filled with zeros."""
+        first_output = shard * self.local_output_extent
+        return first_output + self.pad_before - self.needed[shard][0] * self.window.stride
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_transposed_axis(global_extent: int, shards: int, kernel: int, stride: int = 1,
+                         padding: str = "valid",
+                         output_padding: Optional[int] = None) -> TransposedAxisPlan:
+    """Plan one axis of a transposed convolution over `global_extent` split into `shards`
+    equal shards: any kernel, stride, padding and output padding Keras accepts (no
+    dilation).
+
+    Output shard j owns outputs [o0, o1) (an equal split of the global output extent O)
+    and reads the inputs [ceil((o0 + p - k + 1) / t), floor((o1 - 1 + p) / t) + 1), p
+    being `pad_before`; with kernel <= stride and no padding these are exactly the
+    inputs it owns (no halo). Its `needed` interval starts there and has the length of
+    the longest such read, the same for every shard.
+
+    Raises:
+        ShardAlignmentError: if E or O is not divisible by `shards`.
+        ValueError: for a non-positive extent, kernel or stride, an unknown padding, or
+            an output padding outside [0, stride).
+    """
+    global_extent = _check_positive("global_extent", global_extent)
+    shards = _check_positive("shards", shards)
+    window = Window(kernel, stride, 1, padding)  # checks kernel, stride and padding
+    if output_padding is not None and not 0 <= output_padding < stride:
+        raise ValueError(
+            "`output_padding` must be at least 0 and less than the stride. "
+            f"Received: output_padding={output_padding}, stride={stride}"
+        )
+    out = transposed_output_extent(global_extent, kernel, stride, window.padding, output_padding)
+    if global_extent % shards or out % shards:
+        raise ShardAlignmentError(
+            f"Input extent {global_extent} and output extent {out} must both be divisible "
+            f"by the {shards} shards so that every shard holds an equal slab."
+        )
+    pad = 0 if window.padding == "valid" else max((global_extent - 1) * stride + kernel - out, 0) // 2
+    local_in, local_out = global_extent // shards, out // shards
+    owned, reads = [], []
+    for j in range(shards):
+        o0, o1 = j * local_out, (j + 1) * local_out
+        owned.append((j * local_in, (j + 1) * local_in))
+        reads.append((-(-(o0 + pad - kernel + 1) // stride), (o1 - 1 + pad) // stride + 1))
+    # Every shard's extended input has the same length (Horovod's alltoall along a later
+    # axis needs equal extents along this one): a shorter read is lengthened at its end,
+    # by inputs that reach only outputs past the shard's.
+    length = max(stop - start for start, stop in reads)
+    needed = [(start, start + length) for start, _ in reads]
+    return TransposedAxisPlan(global_extent, shards, window, out, tuple(owned), tuple(needed), pad)

@@ -33,13 +33,22 @@ def check_channels_last(layer) -> None:
 class SpatialWindowMixin:
     """Halo planning and exchange for a layer with one sliding window per axis.
 
-    The subclass provides `_windows()`: one `keras_spatial.halo.Window` per spatial axis.
+    The subclass provides `_windows()`: one `keras_spatial.halo.Window` per spatial axis
+    (or overrides `_plan_axis` and `_output_extent`, as the transposed convolution does).
     Input shapes seen by the layer are LOCAL (one shard); the global extent along an
     axis is the local extent times the number of shards.
     """
 
     def _windows(self) -> tuple[Window, Window, Window]:
         raise NotImplementedError
+
+    def _plan_axis(self, axis: int, global_extent: int, shards: int) -> AxisPlan:
+        """The halo plan of spatial `axis` (raises `ShardAlignmentError`)."""
+        return plan_axis(global_extent, shards, self._windows()[axis])
+
+    def _output_extent(self, axis: int, global_extent: int) -> int:
+        """The global output extent along spatial `axis`, for error messages."""
+        return self._windows()[axis].output_extent(global_extent)
 
     @property
     def exchanges_halos(self) -> bool:
@@ -64,9 +73,7 @@ class SpatialWindowMixin:
                 f"channels). Received: input_shape={tuple(input_shape)}, layer={self.name!r}"
             )
         plans = []
-        for axis, (window, local, shards) in enumerate(
-            zip(self._windows(), input_shape[1:4], spatial_shape)
-        ):
+        for axis, (local, shards) in enumerate(zip(input_shape[1:4], spatial_shape)):
             if local is None:
                 raise ValueError(
                     f"A spatially split layer needs a known {SPATIAL_AXES[axis]} extent. "
@@ -74,7 +81,7 @@ class SpatialWindowMixin:
                 )
             global_extent = local * shards
             try:
-                plans.append(plan_axis(global_extent, shards, window))
+                plans.append(self._plan_axis(axis, global_extent, shards))
             except ShardAlignmentError as error:
                 raise ValueError(
                     f"Layer {self.name!r} cannot keep its shards aligned along the "
@@ -82,7 +89,7 @@ class SpatialWindowMixin:
                     "so that every layer's output divides evenly. Received: "
                     f"layer={self.name!r}, axis={SPATIAL_AXES[axis]!r}, "
                     f"global_input_extent={global_extent}, "
-                    f"global_output_extent={window.output_extent(global_extent)}, "
+                    f"global_output_extent={self._output_extent(axis, global_extent)}, "
                     f"local_input_extent={local}, shards={shards}, "
                     f"spatial_shape={spatial_shape}"
                 ) from None

@@ -255,3 +255,45 @@ def boundary_plane_axis(plans, kernel_size, strides, dilation_rate, padding, gro
         if any(plan.halo(shard) != same_padding(size) for shard in range(plan.shards)):
             return None
     return axis
+
+
+def transposed_convolution_shard(extended, kernel, plans, coords: Sequence[int]) -> tf.Tensor:
+    """A shard's outputs of a transposed convolution of the whole volume, from its
+    extended inputs: the 'valid' transposed convolution of `extended`, cropped (and, where
+    the shard's first outputs lie in a gap no input reaches, zero-padded) along every
+    axis to the shard's outputs. No bias, no activation.
+
+    Args:
+        extended: the shard extended to every axis's `needed` inputs (channels last).
+        kernel: the `Conv3DTranspose` kernel (kd, kh, kw, filters, in_channels).
+        plans: one `keras_spatial.halo.TransposedAxisPlan` per spatial axis.
+        coords: this rank's mesh coordinates.
+
+    Returns:
+        (batch, local outputs along D, H, W, filters).
+    """
+    kernel = tf.convert_to_tensor(kernel)
+    strides = [plan.window.stride for plan in plans]
+    lengths = [
+        extent * plan.window.stride + max(plan.window.kernel - plan.window.stride, 0)
+        for extent, plan in zip(extended.shape[1:4], plans)
+    ]
+    output_shape = tf.stack([tf.shape(extended)[0], *lengths, kernel.shape[-2]])
+    outputs = tf.nn.conv3d_transpose(extended, kernel, output_shape, [1, *strides, 1], "VALID")
+    outputs = tf.ensure_shape(outputs, [None, *lengths, kernel.shape[-2]])
+    for spatial_axis, (plan, shard) in enumerate(zip(plans, coords)):
+        axis = spatial_axis + 1
+        start, count = plan.output_start(shard), plan.local_output_extent
+        if start < 0:
+            pad = [[0, 0]] * 5
+            pad[axis] = [-start, 0]
+            outputs, start = tf.pad(outputs, pad), 0
+        if start + count > outputs.shape[axis]:
+            raise ValueError(
+                f"The transposed convolution of the extended shard has {outputs.shape[axis]} "
+                f"planes along axis {spatial_axis}; the shard's outputs need "
+                f"[{start}, {start + count})."
+            )
+        if start or count != outputs.shape[axis]:
+            outputs = outputs[(slice(None),) * axis + (slice(start, start + count),)]
+    return outputs

@@ -7,6 +7,7 @@ the numbers each rank returned. A value <= 0 means |spatial - keras| <= 1e-5 +
 
 import pytest
 
+from keras_spatial.conversion import keras_parent
 from tests.comparison import failures
 from tests.distributed.launcher import horovod_or_skip, run_on_ranks
 from tests.distributed.unet_workers import EAGER_CASES, GLOBAL_EXTENTS, LAYER_CASES, run_suite
@@ -74,10 +75,10 @@ def test_layer_matches_keras(unet_suites, np_, shape, name, graph):
     SpatialConv3DTranspose / SpatialUpSampling3D configuration equal Keras's."""
     per_rank = unet_suites(np_)
     _assert_within_tolerance(per_rank, (shape, name, graph))
-    options = CASES[name].options
-    factor = options.get("strides", options.get("size", 1))
-    factor = tuple(factor) if isinstance(factor, tuple) else (factor,) * 3
-    expected = tuple(e // n * f for e, n, f in zip(GLOBAL_EXTENTS, shape, factor))
+    case = CASES[name]
+    parent = keras_parent(case.layer_class)(**case.options)
+    global_output = parent.compute_output_shape((1, *GLOBAL_EXTENTS, case.channels))[1:4]
+    expected = tuple(e // n for e, n in zip(global_output, shape))
     assert per_rank[0][(shape, name, graph)]["local_output_shape"][1:4] == expected
 
 
