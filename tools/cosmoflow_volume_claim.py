@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="learning-rate schedule of recipes.cosmoflow.train (default warmup-cosine)")
     parser.add_argument("--head", default="gap", choices=("flatten", "gap", "gap-bn"),
                         help="dense-head input of the paper model (default gap)")
+    parser.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=True,
+                        help="start the model with a fixed whitening of the 4 channels "
+                             "(recipes.cosmoflow.train --whiten; default on, see "
+                             "docs/cosmoflow_claim.md); --no-whiten: the per-channel standardization")
     parser.add_argument("--batch-norm", action=argparse.BooleanOptionalAction, default=True,
                         help="batch normalization between every convolution of the trunk and its "
                              "activation (recipes.cosmoflow.train --batch-norm; default on, "
@@ -96,7 +100,7 @@ def train(args, data: str, crop: int, out: str, env: dict) -> float:
         "--epochs", str(args.epochs), "--learning-rate", str(args.learning_rate),
         "--schedule", args.schedule, "--head", args.head, "--augment", args.augment,
         "--out", out, "--seed", "0",
-    ] + (["--batch-norm"] if args.batch_norm else [])
+    ] + (["--batch-norm"] if args.batch_norm else []) + (["--whiten"] if args.whiten else [])
     print("  " + " ".join(command), flush=True)
     start = time.perf_counter()
     status = run_quietly(command, env, REPO_ROOT)
@@ -267,6 +271,7 @@ def _finished_run(out: str, args):
     same = (len(record.get("history", {}).get("loss", [])) == args.epochs
             and config.get("head") == args.head and config.get("schedule") == args.schedule
             and bool(config.get("batch_norm")) == args.batch_norm
+            and (config.get("input_whitening") is not None) == args.whiten
             and (config.get("augment") or "none") == args.augment)
     return record if same else None
 
@@ -296,7 +301,7 @@ def _report(args, argv, rows, baseline, train_files, val_files, wall_minutes, wr
         f"(synthetic lognormal, 128^3 x 4 redshifts, 512 Mpc/h), same initial weights, "
         f"{args.epochs} epochs, global batch {args.batch_size}, schedule {args.schedule} "
         f"(peak {args.learning_rate:g}), head {args.head}, augmentation {args.augment}; the "
-        f"paper's CosmoFlow trunk{' (batch normalization after every convolution)' if args.batch_norm else ''} with the input standardization of `recipes.cosmoflow.train`; "
+        f"paper's CosmoFlow trunk{' (batch normalization after every convolution)' if args.batch_norm else ''} with the input " + ("whitening" if args.whiten else "standardization") + " of `recipes.cosmoflow.train`; "
         "the crops are the corner C^3 of each universe. Validation MSE per parameter, each "
         "scaled to [-1, 1] (a uniform label has variance 1/3); the CNN from the saved "
         "model.keras loaded in one process:",

@@ -94,6 +94,9 @@ def main(argv=None) -> int:
     parser.add_argument("--np", type=int, default=2, help="ranks (default 2; spatial np,1,1)")
     parser.add_argument("--head", choices=("flatten", "gap", "gap-bn"), default="gap",
                         help="dense-head input (default gap, see docs/cosmoflow_claim.md)")
+    parser.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=True,
+                        help="fixed whitening of the 4 channels at the model's input (default on: "
+                             "the parameters live in their small differences, docs/cosmoflow_claim.md)")
     parser.add_argument("--batch-norm", action=argparse.BooleanOptionalAction, default=True,
                         help="batch normalization after every convolution of the trunk (default on: "
                              "without it the network does not learn Omega_m, docs/cosmoflow_claim.md)")
@@ -134,7 +137,7 @@ def main(argv=None) -> int:
         "--epochs", str(args.epochs), "--size", str(args.size), "--variant", args.variant,
         "--head", args.head, "--schedule", args.schedule, "--learning-rate", str(args.learning_rate),
         "--augment", args.augment, "--out", run_dir, "--seed", "0",
-    ] + (["--batch-norm"] if args.batch_norm else [])
+    ] + (["--batch-norm"] if args.batch_norm else []) + (["--whiten"] if args.whiten else [])
     print("  " + " ".join(os.path.relpath(c, REPO_ROOT) if c.startswith(REPO_ROOT) else c
                           for c in command), flush=True)
     train_start = time.perf_counter()

@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="feed log(1 + counts) as they are; by default the model starts with "
                              "a fixed per-channel standardization measured on up to "
                              f"{STANDARDIZATION_FILES} training files")
+    parser.add_argument("--whiten", action="store_true",
+                        help="start the model with a fixed whitening of the channels (ZCA, "
+                             "recipes.cosmoflow.model.whitening_statistics, measured on the same "
+                             "training files) instead of the per-channel standardization: the "
+                             "parameters live in the small differences between the redshift "
+                             "channels, which it brings to unit scale (docs/cosmoflow_claim.md)")
     parser.add_argument("--variant", choices=("paper", "mlperf"), default="paper",
                         help="'paper' (Oyama et al., LBANN) or 'mlperf' (default paper)")
     parser.add_argument("--gather-before-block", type=int, choices=(0, 2, 3, 4, 5, 6, 7),
@@ -173,7 +179,7 @@ def run(args: argparse.Namespace) -> dict:
     import numpy as np
 
     import keras_spatial as ks
-    from recipes.cosmoflow.model import build_model
+    from recipes.cosmoflow.model import build_model, whitening_statistics
     from recipes.cosmoflow.schedules import make_optimizer
     if len(train_paths) < args.batch_size:
         raise cli.BadArgument(
@@ -203,14 +209,22 @@ def run(args: argparse.Namespace) -> dict:
         )
     size = shape[0]
     dropout, gather_before_block = model_options(args)
-    input_mean = input_std = None
-    if args.standardize:
+    input_mean = input_std = input_whitening = None
+    if args.whiten:
+        if not args.standardize:
+            raise cli.BadArgument("--whiten replaces the standardization; drop --no-standardize")
+        count = min(len(train_files), STANDARDIZATION_FILES)
+        try:
+            input_whitening = whitening_statistics(train_files.read(i)[0] for i in range(count))
+        except ValueError as error:
+            raise cli.BadArgument(f"--whiten: {error}") from None
+    elif args.standardize:
         input_mean, input_std = input_statistics(train_files)
 
     def build(gather=gather_before_block):
         return build_model(size, variant=args.variant, channels=shape[3], batch_norm=args.batch_norm,
                            dropout=dropout, input_mean=input_mean, input_std=input_std,
-                           gather_before_block=gather, head=args.head)
+                           input_whitening=input_whitening, gather_before_block=gather, head=args.head)
 
     spatial = args.spatial
     if spatial == "auto":
@@ -287,7 +301,7 @@ def run(args: argparse.Namespace) -> dict:
         }
         config = {
             "data": os.path.abspath(data_dir), "size": size, "crop": args.crop,
-            "input_mean": input_mean, "input_std": input_std, "variant": args.variant,
+            "input_mean": input_mean, "input_std": input_std, "input_whitening": input_whitening, "variant": args.variant,
             "dropout": dropout, "batch_norm": args.batch_norm, "head": args.head,
             "schedule": args.schedule, "optimizer": optimizer_text, "augment": augment,
             "gather_before_block": gather_before_block,

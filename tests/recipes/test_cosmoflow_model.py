@@ -11,7 +11,7 @@ keras = pytest.importorskip("keras")
 
 import keras_spatial as ks  # noqa: E402
 from keras_spatial.plan import plan_for_mesh  # noqa: E402
-from recipes.cosmoflow.model import build_model, paper_pooled_blocks  # noqa: E402
+from recipes.cosmoflow.model import build_model, paper_pooled_blocks, whitening_statistics  # noqa: E402
 
 PAPER_PARAMS = 9_437_636  # 4,715,712 conv (no bias) + 4,721,924 dense
 # MLPerf HPC's reference (kernel 2 'same'): 1,394,656 conv + a first dense layer of
@@ -230,5 +230,50 @@ def test_input_standardization_is_a_fixed_first_layer():
     ],
 )
 def test_bad_standardization(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_model(32, **kwargs)
+
+
+def test_whitening_statistics_give_unit_covariance_and_stay_symmetric():
+    rng = np.random.default_rng(0)
+    mixing = np.array([[1.0, 0.9, 0.8, 0.7], [0.0, 0.3, 0.1, 0.2], [0.0, 0.0, 0.2, 0.1], [0.0, 0.0, 0.0, 0.1]])
+    samples = [rng.standard_normal((8, 8, 8, 4)) @ mixing + [4.0, 3.0, 2.0, 1.0] for _ in range(3)]
+    mean, matrix = whitening_statistics(samples)
+    voxels = np.concatenate([s.reshape(-1, 4) for s in samples])
+    np.testing.assert_allclose(mean, voxels.mean(axis=0), rtol=1e-12)
+    white = (voxels - mean) @ np.array(matrix)
+    np.testing.assert_allclose(np.cov(white.T, bias=True), np.eye(4), atol=1e-10)
+    np.testing.assert_allclose(matrix, np.transpose(matrix), atol=1e-12)  # ZCA: W = W^T
+
+
+def test_whitening_statistics_refuse_singular_or_empty_input():
+    x = np.random.default_rng(1).standard_normal((100, 3))
+    with pytest.raises(ValueError, match="singular"):
+        whitening_statistics([np.concatenate([x, x[:, :1]], axis=1)])
+    with pytest.raises(ValueError, match="at least one voxel"):
+        whitening_statistics([])
+
+
+def test_input_whitening_is_a_fixed_first_layer():
+    mean = [1.0, 2.0, 3.0, 4.0]
+    matrix = np.arange(16, dtype=np.float64).reshape(4, 4) / 10
+    model = build_model(32, input_whitening=(mean, matrix))
+    layer = model.get_layer("input_whitening")
+    assert not layer.trainable
+    assert len(model.trainable_weights) == len(build_model(32).trainable_weights)
+    x = np.random.default_rng(2).uniform(0, 5, (1, 2, 2, 2, 4)).astype(np.float32)
+    np.testing.assert_allclose(layer(x).numpy(), (x - mean) @ matrix, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"input_whitening": ([0.0] * 4, np.eye(3))}, "a pair \\(mean, matrix\\) of 4 finite means"),
+        ({"input_whitening": ([0.0] * 4,)}, "a pair"),
+        ({"input_whitening": ([float("inf")] * 4, np.eye(4))}, "finite"),
+        ({"input_whitening": ([0.0] * 4, np.eye(4)), "input_mean": 0.0, "input_std": 1.0}, "one or the other"),
+    ],
+)
+def test_bad_whitening(kwargs, message):
     with pytest.raises(ValueError, match=message):
         build_model(32, **kwargs)

@@ -95,6 +95,8 @@ def test_bad_arguments_fail_clearly(tmp_path):
     assert result.returncode != 0 and "--spatial 2,1,1" in result.stderr, result.stderr
     result = train("--data", str(data), "--crop", "48", "--batch-size", "1", "--epochs", "1")
     assert result.returncode != 0 and "--crop 48 is larger than the universes" in result.stderr, result.stderr
+    result = train("--data", str(data), "--whiten", "--no-standardize", "--batch-size", "1", "--epochs", "1")
+    assert result.returncode != 0 and "--whiten replaces the standardization" in result.stderr, result.stderr
 
 
 def test_input_statistics_are_per_channel_moments(tmp_path):
