@@ -472,8 +472,10 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         *common.run_header(command),
         "",
         f"One training step of ONE sample per data group: forward (training=True), MSE loss, "
-        f"backward, {common.optimizer_label(args.optimizer)} update after the fused world-average of the gradients "
-        f"(`strategy.distribute_optimizer`), in a `tf.function`. Step time = median over {args.steps} "
+        f"backward, {common.optimizer_label(args.optimizer)} update after the "
+        + ("fused world-average of the gradients " if args.bucket_bytes is None else
+           f"world-average of the gradients in buckets of {args.bucket_bytes} bytes ")
+        + f"(`strategy.distribute_optimizer`), in a `tf.function`. Step time = median over {args.steps} "
         f"timed steps of the slowest rank's step ({args.warmup} warm-up steps excluded). "
         + (f"Every configuration ran {args.rounds} times, in turn (round 1 of all configurations, then "
            "round 2, ...): a row is the round with the median step time, with the range over the "
@@ -632,6 +634,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-replicated-skip", action="store_true",
                         help="average the replicated layers' gradients over the world too (the "
                              "optimizer before that change, for before/after numbers)")
+    parser.add_argument("--bucket-bytes", type=cli.positive_int("--bucket-bytes"), default=None,
+                        help="average the gradients in buckets of about this many bytes, from the "
+                             "last layers back, so the allreduce can overlap the backward pass "
+                             "(DistributedOptimizer bucket_bytes; default: one fused allreduce)")
     parser.add_argument("--rounds", type=cli.positive_int("--rounds"), default=None,
                         help="times every configuration is run, in turn (round 1 of all of them, then "
                              "round 2, ...); the tables give the round with the median step and the "
@@ -759,7 +765,7 @@ def main(argv=None) -> int:
     common.horovodrun_path()  # fail now, not after the one-rank runs
     specs = plan_specs(
         args, component_repeats=args.component_repeats, optimizer=args.optimizer,
-        replicated_skip=not args.no_replicated_skip,
+        replicated_skip=not args.no_replicated_skip, bucket_bytes=args.bucket_bytes,
     )
     per_spec = [[] for _ in specs]  # one row per round
     for round_index in range(args.rounds):

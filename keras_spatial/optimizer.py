@@ -35,9 +35,21 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     are still averaged over the world. Until then every gradient is averaged over the
     world, which is exact too, only slower.
 
+    Overlap with the backward pass: one fused allreduce waits for the last gradient.
+    With `bucket_bytes`, the gradients are averaged in buckets of about that many bytes,
+    in reverse variable order (the order the backward pass produces them, from the
+    output layers back), each bucket its own fused allreduce; in a `tf.function` (as in
+    `model.fit`) a bucket's allreduce can then run while the backward pass computes the
+    gradients of earlier layers. The average is the same either way (with more than 2
+    ranks, up to float32 rounding: the order in which ranks' values are summed may
+    differ); which is faster depends on the network and on the cores free to overlap.
+
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
         name: optional name. Defaults to "distributed_" + the inner optimizer's name.
+        bucket_bytes: None (the default) for one fused allreduce of all gradients, or a
+            positive number of bytes per bucket (a gradient larger than that is a bucket
+            of its own).
 
     Example:
     ```python
@@ -46,7 +58,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     ```
     """
 
-    def __init__(self, inner_optimizer, name=None, **kwargs):
+    def __init__(self, inner_optimizer, name=None, bucket_bytes=None, **kwargs):
+        if bucket_bytes is not None and (
+            isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
+        ):
+            raise ValueError(
+                "`bucket_bytes` must be None or a positive integer. "
+                f"Received: bucket_bytes={bucket_bytes!r}"
+            )
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise ValueError(
                 "DistributedOptimizer wraps a keras.optimizers.Optimizer instance. "
@@ -56,6 +75,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             raise ValueError("The optimizer is already a DistributedOptimizer.")
         super().__init__(learning_rate=0.0, name=name or f"distributed_{inner_optimizer.name}", **kwargs)
         self.inner_optimizer = inner_optimizer
+        self.bucket_bytes = bucket_bytes
         # A restored optimizer (load_model, clone_model) comes with weights that are
         # already identical wherever the same file was loaded; and it may be built on
         # one rank only (e.g. rank 0 loading a checkpoint), where a broadcast would hang.
@@ -122,14 +142,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if strategy.data_size > 1:  # with one data group, replicated gradients are final
             groups.append((replicated, strategy.position_process_set, "ks_replicated_gradient_average"))
         for indices, process_set, name in groups:
-            if not indices:
-                continue
-            averaged = comm.grouped_allreduce(
-                [tf.convert_to_tensor(grads[i]) for i in indices], process_set, name=name,
-                op="average",
-            )
-            for i, g in zip(indices, averaged):
-                result[i] = g
+            tensors = {i: tf.convert_to_tensor(grads[i]) for i in indices}
+            for k, bucket in enumerate(gradient_buckets(tensors, self.bucket_bytes)):
+                averaged = comm.grouped_allreduce(
+                    [tensors[i] for i in bucket], process_set,
+                    name=name if self.bucket_bytes is None else f"{name}_{k}", op="average",
+                )
+                for i, g in zip(bucket, averaged):
+                    result[i] = g
         return result
 
     def apply(self, grads, trainable_variables=None):
@@ -174,6 +194,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "bucket_bytes": self.bucket_bytes,
         }
 
     @classmethod
@@ -185,6 +206,28 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         optimizer = cls(inner, **config)
         optimizer.broadcast_on_build = False
         return optimizer
+
+
+def gradient_buckets(tensors, bucket_bytes):
+    """The keys of `tensors` (a dict, in variable order) grouped into allreduce buckets:
+    all of them in one bucket when `bucket_bytes` is None, else in reverse order, a new
+    bucket starting where adding a tensor would pass `bucket_bytes` (static sizes)."""
+    keys = list(tensors)
+    if not keys:
+        return []
+    if bucket_bytes is None:
+        return [keys]
+    buckets, current, size = [], [], 0
+    for key in reversed(keys):
+        tensor = tensors[key]
+        nbytes = (tensor.shape.num_elements() or 0) * tensor.dtype.size
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(key)
+        size += nbytes
+    buckets.append(current)
+    return buckets
 
 
 def broadcast_variables(variables, strategy, root: int = 0) -> None:

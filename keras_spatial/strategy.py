@@ -247,12 +247,14 @@ class SpatialStrategy:
         return self.allreduce(value, "sum", "world")
 
     # Training --------------------------------------------------------------------
-    def distribute_optimizer(self, optimizer):
+    def distribute_optimizer(self, optimizer, bucket_bytes=None):
         """Wrap a Keras optimizer so that gradients are averaged over the world.
 
-        See `keras_spatial.optimizer.DistributedOptimizer`.
+        See `keras_spatial.optimizer.DistributedOptimizer` (`bucket_bytes`: average the
+        gradients in buckets of about that many bytes, so that the allreduce can overlap
+        the backward pass; None, the default, for one fused allreduce).
         """
-        return DistributedOptimizer(optimizer)
+        return DistributedOptimizer(optimizer, bucket_bytes=bucket_bytes)
 
     def callbacks(self, *callbacks) -> list:
         """The callback list for `model.fit`/`evaluate` on this mesh.

@@ -16,12 +16,14 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 SUITES = {
     2: [
         ((2, 1, 1), ["fit-voxel-adam", "fit-voxel-sgd-schedule", "fit-cosmoflow-adam", "fit-unet-adam",
+                     "fit-cosmoflow-adam-buckets",
                      "fit-mlperf-sgd-schedule", "checkpoint", "early-stopping", "dropout-head"]),
         ((1, 1, 2), ["fit-voxel-adamw", "fit-mlperf-sgd-schedule"]),
     ],
     4: [
         ((2, 1, 1), ["fit-cosmoflow-adam", "fit-unet-adam", "early-stopping", "dropout-head"]),  # 2 data groups x 2
         ((1, 2, 2), ["fit-cosmoflow-fused-adam", "fit-unet-sgd-schedule", "fit-mlperf-sgd-schedule",
+                     "fit-unet-adam-buckets",
                      "checkpoint"]),
     ],
 }
@@ -60,6 +62,7 @@ def test_training_matches_one_process(training, np_, shape, run):
     expected_replicated = 4 if "cosmoflow" in run else 6 if "mlperf" in run else 0
     for r in results:
         assert r["replicated"] == expected_replicated
+        assert r["bucket_bytes"] == (4096 if run.endswith("-buckets") else None)
         assert r["spread"] == 0.0, "weights differ between ranks"
         # Reported loss, metrics, validation and evaluate are global, on every rank.
         for key, value in rank0["serial_logs"].items():

@@ -146,7 +146,11 @@ def fit_and_compare(strategy, optimizer_kind="adam", steps=5, per_group=2, size=
     x, y, x_rank, y_rank = _data(strategy, global_shape, steps, per_group, seed=0, model_kind=model_kind)
     x_val, y_val, x_val_rank, y_val_rank = _data(strategy, global_shape, 2, per_group, seed=1, model_kind=model_kind)
 
-    model.compile(optimizer=strategy.distribute_optimizer(make_optimizer(optimizer_kind)), loss=loss, metrics=metrics)
+    # "<optimizer>-buckets": gradients averaged in buckets of 4 KiB (many of them).
+    optimizer_kind, buckets = optimizer_kind.removesuffix("-buckets"), optimizer_kind.endswith("-buckets")
+    model.compile(optimizer=strategy.distribute_optimizer(make_optimizer(optimizer_kind),
+                                                          bucket_bytes=4096 if buckets else None),
+                  loss=loss, metrics=metrics)
     model.optimizer.build(model.trainable_variables)  # broadcasts rank 0's weights
     serial = ks.to_keras_model(model)  # plain Keras, same initial weights
     initial = [w.copy() for w in model.get_weights()]
@@ -161,6 +165,7 @@ def fit_and_compare(strategy, optimizer_kind="adam", steps=5, per_group=2, size=
     result = {
         "spread": spread,
         "replicated": len(model.optimizer._replicated_ids),
+        "bucket_bytes": model.optimizer.bucket_bytes,
         "logs": {k: v[-1] for k, v in history.history.items()},
         "evaluate": evaluated,
     }

@@ -46,7 +46,8 @@ def test_every_benchmark_refuses_an_unknown_option():
 # several models or layouts (the narrowed runs keep the configuration whose plot once
 # failed, spatial1x1x2). `ranks`: run under horovodrun on that many local ranks.
 QUICK_RUNS = {
-    "bench_scaling.py": (["--models", "cosmoflow:32", "--configs", "serial,spatial2x1x1,spatial1x1x2"], None),
+    "bench_scaling.py": (["--models", "cosmoflow:32", "--configs", "serial,spatial2x1x1,spatial1x1x2",
+                          "--bucket-bytes", "65536"], None),
     "bench_memory.py": (["--sizes", "32"], None),
     "profile_step.py": (["--models", "cosmoflow:32", "--configs", "serial,spatial2x1x1"], None),
     "validate_cost_model.py": (["--models", "cosmoflow:32", "--configs", "serial,spatial2x1x1"], None),

@@ -44,6 +44,28 @@ def test_distributed_optimizer_config_round_trips_and_saves(tmp_path):
     assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy())
 
 
+def test_bucket_bytes_survive_the_config_and_bad_values_are_refused():
+    optimizer = ks.DistributedOptimizer(keras.optimizers.Adam(3e-3), bucket_bytes=1 << 20)
+    assert ks.DistributedOptimizer.from_config(optimizer.get_config()).bucket_bytes == 1 << 20
+    for bad in (0, -1, 2.5, True, "1MB"):
+        with pytest.raises(ValueError, match="`bucket_bytes` must be None or a positive integer"):
+            ks.DistributedOptimizer(keras.optimizers.Adam(), bucket_bytes=bad)
+
+
+def test_gradient_buckets_go_backwards_and_respect_the_size():
+    import tensorflow as tf
+
+    from keras_spatial.optimizer import gradient_buckets
+
+    sizes = {0: 100, 1: 10, 2: 10, 3: 300, 4: 50}  # float32 elements
+    tensors = {k: tf.zeros([n]) for k, n in sizes.items()}
+    assert gradient_buckets(tensors, None) == [[0, 1, 2, 3, 4]]
+    # 4*50 = 200 bytes; 3 (1200 bytes) is a bucket of its own; 2, 1 (80 bytes) then 0.
+    assert gradient_buckets(tensors, 400) == [[4], [3], [2, 1], [0]]
+    assert gradient_buckets(tensors, 1 << 20) == [[4, 3, 2, 1, 0]]
+    assert gradient_buckets({}, 400) == []
+
+
 @pytest.mark.parametrize("bad", [None, "adam", ks.DistributedOptimizer(keras.optimizers.SGD())])
 def test_distributed_optimizer_refuses_what_it_cannot_wrap(bad):
     with pytest.raises(ValueError):
