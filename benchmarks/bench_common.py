@@ -363,7 +363,8 @@ def make_training_step(strategy, spec: dict, optimizer_name: str, seed: int) -> 
         raise ValueError(f"`optimizer` must be one of {sorted(OPTIMIZERS)}. Received: {optimizer_name!r}")
     _, module, path = OPTIMIZERS[optimizer_name]
     optimizer_class = functools.reduce(getattr, path.split("."), importlib.import_module(module))
-    optimizer = strategy.distribute_optimizer(optimizer_class(1e-3), bucket_bytes=spec.get("bucket_bytes"))
+    optimizer = strategy.distribute_optimizer(optimizer_class(1e-3), bucket_bytes=spec.get("bucket_bytes"),
+                                              shard_update=spec.get("shard_update", False))
     optimizer.build(model.trainable_variables)
     if spec.get("replicated_skip", True) and strategy.spatial_size > 1:
         # What ReplicatedLayerSync does in model.fit: gradients of layers that run on

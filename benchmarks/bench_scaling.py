@@ -475,6 +475,8 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         f"backward, {common.optimizer_label(args.optimizer)} update after the "
         + ("fused world-average of the gradients " if args.bucket_bytes is None else
            f"world-average of the gradients in buckets of {args.bucket_bytes} bytes ")
+        + ("(each rank of a spatial group updating its share of the variables, then one allgather) "
+           if args.shard_update else "")
         + f"(`strategy.distribute_optimizer`), in a `tf.function`. Step time = median over {args.steps} "
         f"timed steps of the slowest rank's step ({args.warmup} warm-up steps excluded). "
         + (f"Every configuration ran {args.rounds} times, in turn (round 1 of all configurations, then "
@@ -638,6 +640,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="average the gradients in buckets of about this many bytes, from the "
                              "last layers back, so the allreduce can overlap the backward pass "
                              "(DistributedOptimizer bucket_bytes; default: one fused allreduce)")
+    parser.add_argument("--shard-update", action="store_true",
+                        help="each rank of a spatial group updates only its share of the variables, "
+                             "then one allgather (DistributedOptimizer shard_update)")
     parser.add_argument("--rounds", type=cli.positive_int("--rounds"), default=None,
                         help="times every configuration is run, in turn (round 1 of all of them, then "
                              "round 2, ...); the tables give the round with the median step and the "
@@ -766,6 +771,7 @@ def main(argv=None) -> int:
     specs = plan_specs(
         args, component_repeats=args.component_repeats, optimizer=args.optimizer,
         replicated_skip=not args.no_replicated_skip, bucket_bytes=args.bucket_bytes,
+        shard_update=args.shard_update,
     )
     per_spec = [[] for _ in specs]  # one row per round
     for round_index in range(args.rounds):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_spatial import comm
@@ -44,12 +45,30 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     ranks, up to float32 rounding: the order in which ranks' values are summed may
     differ); which is faster depends on the network and on the cores free to overlap.
 
+    Sharded update: every rank of a spatial group holds all the weights and, by default,
+    computes the same update of all of them. With `shard_update=True`, the variables are
+    dealt out over the ranks of the spatial group (`update_owners`: largest first, each
+    to the rank with the fewest elements so far); each rank applies the inner optimizer
+    to its own variables only, then one allgather per dtype inside the spatial group
+    gives every rank the new values of all of them. The result is the same as without
+    (each variable's update is computed by the same ops from the same averaged
+    gradient, on one rank instead of all); the optimizer's arithmetic per rank falls by
+    about the spatial group's size, at the cost of the allgather. The optimizer's state
+    (Adam's moments) stays allocated for every variable, and is kept current only by the
+    variable's owner: keep the same mesh when resuming from a checkpoint with it. Refused
+    (at construction, or when built) where an update of some variables depends on the
+    others or on every rank applying it: `global_clipnorm`, `use_ema`,
+    `gradient_accumulation_steps`, a `LossScaleOptimizer`, and fewer trainable
+    variables than ranks in a spatial group. Without a split mesh it changes nothing.
+
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
         name: optional name. Defaults to "distributed_" + the inner optimizer's name.
         bucket_bytes: None (the default) for one fused allreduce of all gradients, or a
             positive number of bytes per bucket (a gradient larger than that is a bucket
             of its own).
+        shard_update: whether each rank of a spatial group updates only its share of
+            the variables (see above). Defaults to False.
 
     Example:
     ```python
@@ -58,7 +77,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     ```
     """
 
-    def __init__(self, inner_optimizer, name=None, bucket_bytes=None, **kwargs):
+    def __init__(self, inner_optimizer, name=None, bucket_bytes=None, shard_update=False, **kwargs):
         if bucket_bytes is not None and (
             isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
         ):
@@ -73,9 +92,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             )
         if isinstance(inner_optimizer, DistributedOptimizer):
             raise ValueError("The optimizer is already a DistributedOptimizer.")
+        if not isinstance(shard_update, bool):
+            raise ValueError(f"`shard_update` must be True or False. Received: shard_update={shard_update!r}")
+        if shard_update:
+            _check_shardable(inner_optimizer)
         super().__init__(learning_rate=0.0, name=name or f"distributed_{inner_optimizer.name}", **kwargs)
         self.inner_optimizer = inner_optimizer
         self.bucket_bytes = bucket_bytes
+        self.shard_update = shard_update
         # A restored optimizer (load_model, clone_model) comes with weights that are
         # already identical wherever the same file was loaded; and it may be built on
         # one rank only (e.g. rank 0 loading a checkpoint), where a broadcast would hang.
@@ -111,6 +135,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if strategy is not None and self.broadcast_on_build:
             with tf.init_scope():  # eager, once, even if first built inside a tf.function
                 broadcast_variables(var_list, strategy)
+        if strategy is not None and self.shard_update and strategy.spatial_size > 1:
+            if len(var_list) < strategy.spatial_size:
+                raise ValueError(
+                    f"shard_update=True deals the trainable variables out over the "
+                    f"{strategy.spatial_size} ranks of a spatial group, but the model has only "
+                    f"{len(var_list)}: some rank would own none. Use shard_update=False."
+                )
         self.inner_optimizer.build(var_list)
         super().build(var_list)
 
@@ -162,9 +193,42 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 self.build(trainable_variables)
             self.built = True
         trainable_variables = list(trainable_variables or self._trainable_variables)
-        self.inner_optimizer.apply(
-            self.average_gradients(grads, trainable_variables), trainable_variables
-        )
+        averaged = self.average_gradients(grads, trainable_variables)
+        strategy = self._world()
+        if self.shard_update and strategy is not None and strategy.spatial_size > 1:
+            self._apply_sharded(averaged, trainable_variables, strategy)
+        else:
+            self.inner_optimizer.apply(averaged, trainable_variables)
+
+    def _apply_sharded(self, grads, variables, strategy):
+        """The inner update of this rank's variables, then every variable's new value
+        from its owner (one allgather per dtype in the spatial group)."""
+        owners = update_owners([v.shape for v in variables], strategy.spatial_size)
+        me = strategy.spatial_index
+        mine = [i for i, owner in enumerate(owners) if owner == me]
+        self.inner_optimizer.apply([grads[i] for i in mine], [variables[i] for i in mine])
+        unread = [g for i, g in enumerate(grads) if owners[i] != me and g is not None]
+        by_dtype: dict = {}
+        for i, variable in enumerate(variables):
+            by_dtype.setdefault(str(variable.dtype), []).append(i)
+        for k, (dtype, indices) in enumerate(sorted(by_dtype.items())):
+            local = [tf.reshape(tf.convert_to_tensor(variables[i]), [-1]) for i in indices if owners[i] == me]
+            local = tf.concat(local, 0) if local else tf.zeros([0], dtype)
+            gathered = comm.allgather(local, strategy.spatial_process_set, name=f"ks_sharded_update_{k}")
+            order = [i for rank in range(strategy.spatial_size) for i in indices if owners[i] == rank]
+            parts = tf.split(gathered, [variables[i].shape.num_elements() for i in order])
+            if all(owners[i] == me for i in indices):
+                unread.append(gathered)
+            for i, part in zip(order, parts):
+                if owners[i] != me:
+                    variables[i].assign(tf.reshape(part, variables[i].shape))
+        # In a tf.function, graph optimization removes ops whose outputs nothing reads,
+        # and Horovod's collectives count as such ops: a gradient allreduce (or bucket)
+        # holding none of this rank's variables, or an allgather that brings this rank
+        # nothing new, would run on the other ranks only, and they would wait for it
+        # forever. An assertion that always holds reads them.
+        if unread and not tf.executing_eagerly():
+            tf.debugging.Assert(True, unread, name="ks_keep_collectives")
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(
@@ -195,6 +259,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "bucket_bytes": self.bucket_bytes,
+            "shard_update": self.shard_update,
         }
 
     @classmethod
@@ -206,6 +271,38 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         optimizer = cls(inner, **config)
         optimizer.broadcast_on_build = False
         return optimizer
+
+
+def _check_shardable(inner) -> None:
+    refused = []
+    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        refused.append("a LossScaleOptimizer (its update of every variable depends on all gradients)")
+    else:
+        if getattr(inner, "global_clipnorm", None):
+            refused.append("global_clipnorm (the norm is over all gradients)")
+        if getattr(inner, "use_ema", False):
+            refused.append("use_ema (every rank must average every variable)")
+        if getattr(inner, "gradient_accumulation_steps", None):
+            refused.append("gradient_accumulation_steps")
+    if refused:
+        raise ValueError(
+            "shard_update=True updates each variable on one rank of the spatial group, which "
+            f"this inner optimizer does not allow: {'; '.join(refused)}. Use shard_update=False."
+        )
+
+
+def update_owners(shapes, ranks: int) -> list:
+    """The rank (0 .. ranks-1 of a spatial group) that updates each variable of `shapes`
+    with `shard_update`: largest variable first (ties: lower index), each to the rank
+    with the fewest elements so far (ties: lower rank)."""
+    sizes = [int(np.prod(shape)) if len(shape) else 1 for shape in shapes]
+    loads = [0] * ranks
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        owners[i] = rank
+        loads[rank] += sizes[i]
+    return owners
 
 
 def gradient_buckets(tensors, bucket_bytes):

@@ -247,14 +247,16 @@ class SpatialStrategy:
         return self.allreduce(value, "sum", "world")
 
     # Training --------------------------------------------------------------------
-    def distribute_optimizer(self, optimizer, bucket_bytes=None):
+    def distribute_optimizer(self, optimizer, bucket_bytes=None, shard_update=False):
         """Wrap a Keras optimizer so that gradients are averaged over the world.
 
         See `keras_spatial.optimizer.DistributedOptimizer` (`bucket_bytes`: average the
         gradients in buckets of about that many bytes, so that the allreduce can overlap
-        the backward pass; None, the default, for one fused allreduce).
+        the backward pass; None, the default, for one fused allreduce. `shard_update`:
+        each rank of a spatial group updates only its share of the variables, then one
+        allgather; False by default).
         """
-        return DistributedOptimizer(optimizer, bucket_bytes=bucket_bytes)
+        return DistributedOptimizer(optimizer, bucket_bytes=bucket_bytes, shard_update=shard_update)
 
     def callbacks(self, *callbacks) -> list:
         """The callback list for `model.fit`/`evaluate` on this mesh.

@@ -16,14 +16,15 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 SUITES = {
     2: [
         ((2, 1, 1), ["fit-voxel-adam", "fit-voxel-sgd-schedule", "fit-cosmoflow-adam", "fit-unet-adam",
-                     "fit-cosmoflow-adam-buckets",
+                     "fit-cosmoflow-adam-buckets", "fit-cosmoflow-adam-sharded", "fit-unet-sgd-schedule-sharded",
                      "fit-mlperf-sgd-schedule", "checkpoint", "early-stopping", "dropout-head"]),
         ((1, 1, 2), ["fit-voxel-adamw", "fit-mlperf-sgd-schedule"]),
     ],
     4: [
-        ((2, 1, 1), ["fit-cosmoflow-adam", "fit-unet-adam", "early-stopping", "dropout-head"]),  # 2 data groups x 2
+        ((2, 1, 1), ["fit-cosmoflow-adam", "fit-unet-adam", "fit-cosmoflow-fused-adam-sharded",
+                     "early-stopping", "dropout-head"]),  # 2 data groups x 2
         ((1, 2, 2), ["fit-cosmoflow-fused-adam", "fit-unet-sgd-schedule", "fit-mlperf-sgd-schedule",
-                     "fit-unet-adam-buckets",
+                     "fit-unet-adam-buckets", "fit-unet-adam-buckets-sharded", "fit-cosmoflow-adam-sharded",
                      "checkpoint"]),
     ],
 }
@@ -62,7 +63,10 @@ def test_training_matches_one_process(training, np_, shape, run):
     expected_replicated = 4 if "cosmoflow" in run else 6 if "mlperf" in run else 0
     for r in results:
         assert r["replicated"] == expected_replicated
-        assert r["bucket_bytes"] == (4096 if run.endswith("-buckets") else None)
+        assert r["bucket_bytes"] == (4096 if "-buckets" in run else None)
+        assert r["shard_update"] == run.endswith("-sharded")
+        if r["shard_update"]:  # each rank of the spatial group owns a real share
+            assert 0 < r["owned"] < r["variables"]
         assert r["spread"] == 0.0, "weights differ between ranks"
         # Reported loss, metrics, validation and evaluate are global, on every rank.
         for key, value in rank0["serial_logs"].items():

@@ -137,6 +137,7 @@ def fit_and_compare(strategy, optimizer_kind="adam", steps=5, per_group=2, size=
     import keras
 
     import keras_spatial as ks
+    from keras_spatial.optimizer import update_owners
 
     keras.utils.set_random_seed(100 + strategy.rank)  # different on purpose: broadcast fixes it
     global_shape = (size, size + 2, size - 2, 2) if model_kind == "voxel" else (size, size, size, 2)
@@ -146,10 +147,13 @@ def fit_and_compare(strategy, optimizer_kind="adam", steps=5, per_group=2, size=
     x, y, x_rank, y_rank = _data(strategy, global_shape, steps, per_group, seed=0, model_kind=model_kind)
     x_val, y_val, x_val_rank, y_val_rank = _data(strategy, global_shape, 2, per_group, seed=1, model_kind=model_kind)
 
-    # "<optimizer>-buckets": gradients averaged in buckets of 4 KiB (many of them).
+    # "<optimizer>-buckets": gradients averaged in buckets of 4 KiB (many of them);
+    # "<optimizer>-sharded": each rank of a spatial group updates its share of the variables.
+    optimizer_kind, sharded = optimizer_kind.removesuffix("-sharded"), optimizer_kind.endswith("-sharded")
     optimizer_kind, buckets = optimizer_kind.removesuffix("-buckets"), optimizer_kind.endswith("-buckets")
     model.compile(optimizer=strategy.distribute_optimizer(make_optimizer(optimizer_kind),
-                                                          bucket_bytes=4096 if buckets else None),
+                                                          bucket_bytes=4096 if buckets else None,
+                                                          shard_update=sharded),
                   loss=loss, metrics=metrics)
     model.optimizer.build(model.trainable_variables)  # broadcasts rank 0's weights
     serial = ks.to_keras_model(model)  # plain Keras, same initial weights
@@ -166,6 +170,10 @@ def fit_and_compare(strategy, optimizer_kind="adam", steps=5, per_group=2, size=
         "spread": spread,
         "replicated": len(model.optimizer._replicated_ids),
         "bucket_bytes": model.optimizer.bucket_bytes,
+        "shard_update": model.optimizer.shard_update,
+        "owned": sum(owner == strategy.spatial_index for owner in update_owners(
+            [v.shape for v in model.trainable_variables], strategy.spatial_size)),
+        "variables": len(model.trainable_variables),
         "logs": {k: v[-1] for k, v in history.history.items()},
         "evaluate": evaluated,
     }

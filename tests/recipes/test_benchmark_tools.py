@@ -47,7 +47,7 @@ def test_every_benchmark_refuses_an_unknown_option():
 # failed, spatial1x1x2). `ranks`: run under horovodrun on that many local ranks.
 QUICK_RUNS = {
     "bench_scaling.py": (["--models", "cosmoflow:32", "--configs", "serial,spatial2x1x1,spatial1x1x2",
-                          "--bucket-bytes", "65536"], None),
+                          "--bucket-bytes", "65536", "--shard-update"], None),
     "bench_memory.py": (["--sizes", "32"], None),
     "profile_step.py": (["--models", "cosmoflow:32", "--configs", "serial,spatial2x1x1"], None),
     "validate_cost_model.py": (["--models", "cosmoflow:32", "--configs", "serial,spatial2x1x1"], None),

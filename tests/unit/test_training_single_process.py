@@ -66,6 +66,46 @@ def test_gradient_buckets_go_backwards_and_respect_the_size():
     assert gradient_buckets({}, 400) == []
 
 
+def test_update_owners_balance_elements_and_agree_everywhere():
+    from keras_spatial.optimizer import update_owners
+
+    shapes = [(3, 3, 3, 4, 16), (16,), (3, 3, 3, 16, 16), (16,), (16, 1), (1,)]
+    owners = update_owners(shapes, 2)
+    # Largest first: 6912 -> rank 0, 1728 -> rank 1, then the small ones to rank 1.
+    assert owners == [1, 1, 0, 1, 1, 1]
+    assert update_owners(shapes, 2) == owners  # a pure function of the shapes
+    assert update_owners(shapes, 1) == [0] * 6
+    assert sorted(set(update_owners([(4,)] * 8, 4))) == [0, 1, 2, 3]
+    assert update_owners([(2, 2), ()], 2) == [0, 1]  # a scalar counts one element
+
+
+def test_shard_update_survives_the_config_and_changes_nothing_in_one_process():
+    optimizer = ks.DistributedOptimizer(keras.optimizers.Adam(3e-3), shard_update=True)
+    assert ks.DistributedOptimizer.from_config(optimizer.get_config()).shard_update is True
+    plain, _ = _train(make_optimizer("adam"))
+    sharded, _ = _train(ks.SpatialStrategy().distribute_optimizer(make_optimizer("adam"), shard_update=True))
+    for a, b in zip(sharded.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("inner,message", [
+    (keras.optimizers.Adam(global_clipnorm=1.0), "global_clipnorm"),
+    (keras.optimizers.Adam(use_ema=True), "use_ema"),
+    (keras.optimizers.SGD(gradient_accumulation_steps=2), "gradient_accumulation_steps"),
+    (keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), "LossScaleOptimizer"),
+])
+def test_shard_update_refuses_updates_that_need_every_variable(inner, message):
+    with pytest.raises(ValueError, match=f"shard_update=True updates each variable on one rank.*{message}"):
+        ks.DistributedOptimizer(inner, shard_update=True)
+    ks.DistributedOptimizer(inner)  # fine without sharding
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_shard_update_must_be_a_bool(bad):
+    with pytest.raises(ValueError, match="`shard_update` must be True or False"):
+        ks.DistributedOptimizer(keras.optimizers.Adam(), shard_update=bad)
+
+
 @pytest.mark.parametrize("bad", [None, "adam", ks.DistributedOptimizer(keras.optimizers.SGD())])
 def test_distributed_optimizer_refuses_what_it_cannot_wrap(bad):
     with pytest.raises(ValueError):
