@@ -61,10 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="learning-rate schedule of recipes.cosmoflow.train (default warmup-cosine)")
     parser.add_argument("--head", default="gap", choices=("flatten", "gap", "gap-bn"),
                         help="dense-head input of the paper model (default gap)")
-    parser.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=True,
                         help="start the model with a fixed whitening of the 4 channels "
                              "(recipes.cosmoflow.train --whiten) instead of the per-channel "
-                             "standardization (default off; measured in docs/cosmoflow_claim.md)")
+                             "standardization (default on; --no-whiten measured in docs/cosmoflow_claim.md)")
     parser.add_argument("--batch-norm", action=argparse.BooleanOptionalAction, default=True,
                         help="batch normalization between every convolution of the trunk and its "
                              "activation (recipes.cosmoflow.train --batch-norm; default on, "

@@ -94,9 +94,9 @@ def main(argv=None) -> int:
     parser.add_argument("--np", type=int, default=2, help="ranks (default 2; spatial np,1,1)")
     parser.add_argument("--head", choices=("flatten", "gap", "gap-bn"), default="gap",
                         help="dense-head input (default gap, see docs/cosmoflow_claim.md)")
-    parser.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=True,
                         help="fixed whitening of the 4 channels at the model's input instead of the "
-                             "per-channel standardization (default off, see docs/cosmoflow_claim.md)")
+                             "per-channel standardization (default on, see docs/cosmoflow_claim.md)")
     parser.add_argument("--batch-norm", action=argparse.BooleanOptionalAction, default=True,
                         help="batch normalization after every convolution of the trunk (default on: "
                              "without it the network does not learn Omega_m, docs/cosmoflow_claim.md)")
