@@ -135,13 +135,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if strategy is not None and self.broadcast_on_build:
             with tf.init_scope():  # eager, once, even if first built inside a tf.function
                 broadcast_variables(var_list, strategy)
-        if strategy is not None and self.shard_update and strategy.spatial_size > 1:
-            if len(var_list) < strategy.spatial_size:
-                raise ValueError(
-                    f"shard_update=True deals the trainable variables out over the "
-                    f"{strategy.spatial_size} ranks of a spatial group, but the model has only "
-                    f"{len(var_list)}: some rank would own none. Use shard_update=False."
-                )
+        if self._shards(strategy) and len(var_list) < strategy.spatial_size:
+            raise ValueError(
+                f"shard_update=True deals the trainable variables out over the "
+                f"{strategy.spatial_size} ranks of a spatial group, but the model has only "
+                f"{len(var_list)}: some rank would own none. Use shard_update=False."
+            )
         self.inner_optimizer.build(var_list)
         super().build(var_list)
 
@@ -195,10 +194,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         trainable_variables = list(trainable_variables or self._trainable_variables)
         averaged = self.average_gradients(grads, trainable_variables)
         strategy = self._world()
-        if self.shard_update and strategy is not None and strategy.spatial_size > 1:
+        if self._shards(strategy):
             self._apply_sharded(averaged, trainable_variables, strategy)
         else:
             self.inner_optimizer.apply(averaged, trainable_variables)
+
+    def _shards(self, strategy) -> bool:
+        """Whether updates are dealt out: `shard_update` on a mesh with a split."""
+        return self.shard_update and strategy is not None and strategy.spatial_size > 1
 
     def _apply_sharded(self, grads, variables, strategy):
         """The inner update of this rank's variables, then every variable's new value
@@ -216,7 +219,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             local = tf.concat(local, 0) if local else tf.zeros([0], dtype)
             gathered = comm.allgather(local, strategy.spatial_process_set, name=f"ks_sharded_update_{k}")
             order = [i for rank in range(strategy.spatial_size) for i in indices if owners[i] == rank]
-            parts = tf.split(gathered, [variables[i].shape.num_elements() for i in order])
+            parts = tf.split(gathered, [_num_elements(variables[i].shape) for i in order])
             if all(owners[i] == me for i in indices):
                 unread.append(gathered)
             for i, part in zip(order, parts):
@@ -291,11 +294,15 @@ def _check_shardable(inner) -> None:
         )
 
 
+def _num_elements(shape) -> int:
+    return int(np.prod(tuple(shape)))  # 1 for a scalar's ()
+
+
 def update_owners(shapes, ranks: int) -> list:
     """The rank (0 .. ranks-1 of a spatial group) that updates each variable of `shapes`
     with `shard_update`: largest variable first (ties: lower index), each to the rank
     with the fewest elements so far (ties: lower rank)."""
-    sizes = [int(np.prod(shape)) if len(shape) else 1 for shape in shapes]
+    sizes = [_num_elements(shape) for shape in shapes]
     loads = [0] * ranks
     owners = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
