@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "see docs/cosmoflow_claim.md)")
     parser.add_argument("--augment", default="cube", choices=("none", "flips", "cube"),
                         help="symmetries of the cube applied to training universes (default cube)")
+    parser.add_argument("--seed", type=cli.non_negative_int("--seed"), default=0,
+                        help="seed of the trainings' initial weights, shuffling and augmentation "
+                             "(recipes.cosmoflow.train --seed; default 0). The universes and their "
+                             "training/validation split do not depend on it")
     parser.add_argument("--reuse-trained", action="store_true",
                         help="keep a crop's finished run (DIR/cropC/history.json with these "
                              "epochs) instead of training it again, e.g. after an interruption")
@@ -99,7 +103,7 @@ def train(args, data: str, crop: int, out: str, env: dict) -> float:
         "--spatial", f"{args.np},1,1", "--batch-size", str(args.batch_size),
         "--epochs", str(args.epochs), "--learning-rate", str(args.learning_rate),
         "--schedule", args.schedule, "--head", args.head, "--augment", args.augment,
-        "--out", out, "--seed", "0",
+        "--out", out, "--seed", str(args.seed),
     ] + (["--batch-norm"] if args.batch_norm else []) + (["--whiten"] if args.whiten else [])
     print("  " + " ".join(command), flush=True)
     start = time.perf_counter()
@@ -272,7 +276,8 @@ def _finished_run(out: str, args):
             and config.get("head") == args.head and config.get("schedule") == args.schedule
             and bool(config.get("batch_norm")) == args.batch_norm
             and (config.get("input_whitening") is not None) == args.whiten
-            and (config.get("augment") or "none") == args.augment)
+            and (config.get("augment") or "none") == args.augment
+            and config.get("seed", 0) == args.seed)
     return record if same else None
 
 
