@@ -9,6 +9,10 @@ rank on a `Hardware` description; `auto_layout` picks the fastest layout that fi
 memory. Nothing here runs TensorFlow or Horovod: shapes come from
 `keras_spatial.plan.plan_for_mesh` and the halo plans of the layers (`axis_plans`).
 
+Where an extent does not divide by its shards (`keras_spatial.halo.split_bounds`), the
+counts are rank 0's: it holds the largest shard on every axis, so it sets the step time.
+A transposed convolution whose uneven output split needs a halo is counted without it.
+
 What the counts follow (docs/design.md):
 
 * **Compute.** Per local output voxel, a convolution costs 2 k_d k_h k_w Cin/groups Cout
@@ -366,20 +370,20 @@ def _face_extents(plans, exchanging, coords, local_in, axis, in_place_pool, loca
             continue
         plan = plans[other]
         if in_place_pool:
-            face.append(local_out[other])
+            face.append(plan.local_output_extent(coords[other]))
         elif other < axis and exchanging[other]:
-            face.append(plan.extended_extent)
+            face.append(plan.extended_extent(coords[other]))
         elif other < axis:
             kept = plan.kept(coords[other])
             face.append(0 if kept is None else kept[1] - kept[0])
         else:
-            face.append(local_in[other])
+            face.append(plan.local_input_extent(coords[other]))
     return face
 
 
-def _exchanges(layer, mesh: Mesh, local_in, local_out, batch: int) -> tuple:
+def _exchanges(layer, mesh: Mesh, local_in, local_out, batch: int, global_in) -> tuple:
     """Per spatial index, the `AxisExchange`s of `layer`'s forward halo exchange."""
-    plans = layer.axis_plans(mesh.spatial_shape, (None,) + tuple(local_in))
+    plans = layer.axis_plans(mesh.spatial_shape, (None,) + tuple(local_in), global_extents=tuple(global_in))
     exchanging = [plan.exchanges for plan in plans]
     if not any(exchanging):
         return ()
@@ -506,7 +510,8 @@ def model_costs(
         read = sum(_elements(s) for s in in_local)
         if (isinstance(layer, SpatialWindowMixin) and layer.exchanges_halos and inputs
                 and split.get(id(inputs[0]), False) and mesh.spatial_size > 1):
-            exchanges = _exchanges(layer, mesh, in_local[0], out_local, batch_size)
+            exchanges = _exchanges(layer, mesh, in_local[0], out_local, batch_size,
+                                   tuple(inputs[0].shape[1:4]))
             read += sum(e.bytes_received for e in exchanges[0]) // (BYTES_PER_ELEMENT * batch_size) if exchanges else 0
         written = sum(_elements(r["local_shape"]) for r in layer_rows)
         differentiated = input_grad or params > 0

@@ -1,20 +1,24 @@
 """Halo arithmetic for sliding-window layers split along one axis. Pure, no Horovod.
 
 One rule covers 'same' and 'valid', strides, dilation and even kernels. Along one split
-axis with global input extent E, s equal shards, window f = dilation*(k-1)+1 and stride t,
+axis with global input extent E, s shards, window f = dilation*(k-1)+1 and stride t,
 TensorFlow's global output extent O and leading padding p are::
 
     'same':  O = ceil(E/t), p = max((O-1)*t + f - E, 0) // 2
     'valid': O = floor((E-f)/t) + 1, p = 0
 
-Output shard j owns outputs [o0, o1) (an equal split of O) and needs the inputs
-[o0*t - p, (o1-1)*t - p + f). It owns the inputs [i0, i1), so
+Every tensor, input or output, of global extent N along a split axis is split as
+`numpy.array_split` splits N planes into s parts (`split_bounds`): the first N % s shards
+hold N // s + 1 planes, the others N // s. Output shard j owns outputs [o0, o1) of that
+split of O and needs the inputs [o0*t - p, (o1-1)*t - p + f). It owns the inputs
+[i0, i1) of the split of E, so
 
     halo_before = i0 - (o0*t - p),   halo_after = ((o1-1)*t - p + f) - i1.
 
 Positive: received from neighbours; negative: cropped; outside [0, E): padding. A local
 'valid' window op on the input extended to the needed range then yields exactly the
-shard's outputs.
+shard's outputs. When E and O divide by s, every shard holds as many planes as the
+others and its halos are the same as its neighbours'.
 """
 
 from __future__ import annotations
@@ -73,7 +77,35 @@ class Window:
 
 
 class ShardAlignmentError(ValueError):
-    """A split the window cannot serve: the output extent does not divide evenly."""
+    """A split the window cannot serve: some shard would hold no plane of its input or
+    of its output."""
+
+
+def split_bounds(extent: int, shards: int) -> tuple[Interval, ...]:
+    """The global intervals [start, stop) of the `shards` parts of `extent` planes, as
+    `numpy.array_split` splits them: the first `extent % shards` parts hold one plane
+    more than the others.
+
+    Raises:
+        ShardAlignmentError: if `extent < shards` (a part would be empty).
+        ValueError: for a non-positive extent or shard count.
+    """
+    extent = _check_positive("extent", extent)
+    shards = _check_positive("shards", shards)
+    if extent < shards:
+        raise ShardAlignmentError(
+            f"An extent of {extent} planes cannot be split into {shards} shards: every "
+            "shard must hold at least one plane."
+        )
+    base, extra = divmod(extent, shards)
+    starts = [j * base + min(j, extra) for j in range(shards + 1)]
+    return tuple((starts[j], starts[j + 1]) for j in range(shards))
+
+
+def shard_extent(extent: int, shards: int, shard: int) -> int:
+    """Planes held by `shard` of `extent` planes split `shards` ways (`split_bounds`)."""
+    start, stop = split_bounds(extent, shards)[shard]
+    return stop - start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +114,15 @@ class AxisPlan:
 
     Attributes:
         global_extent: input extent E of the whole volume.
-        shards: number of equal shards s.
+        shards: number of shards s.
         window: the sliding window.
         output_extent: global output extent O.
-        owned: per shard, the global input interval [i0, i1) it holds.
+        owned: per shard, the global input interval [i0, i1) it holds
+            (`split_bounds(E, s)`).
         needed: per shard, the global input interval its outputs read; it may reach
             outside [0, E), where the padding value applies.
+        outputs: per shard, the global output interval [o0, o1) it computes
+            (`split_bounds(O, s)`).
     """
 
     global_extent: int
@@ -96,21 +131,35 @@ class AxisPlan:
     output_extent: int
     owned: tuple[Interval, ...]
     needed: tuple[Interval, ...]
+    outputs: tuple[Interval, ...] = ()
 
     def halo(self, shard: int) -> tuple[int, int]:
         """(halo_before, halo_after) of `shard`: positive receives, negative crops."""
         (i0, i1), (n0, n1) = self.owned[shard], self.needed[shard]
         return i0 - n0, n1 - i1
 
-    @property
-    def local_output_extent(self) -> int:
-        return self.output_extent // self.shards
+    def local_output_extent(self, shard: int) -> int:
+        """Outputs `shard` computes along the axis."""
+        start, stop = self.outputs[shard]
+        return stop - start
+
+    def local_input_extent(self, shard: int) -> int:
+        """Inputs `shard` holds along the axis."""
+        start, stop = self.owned[shard]
+        return stop - start
+
+    def extended_extent(self, shard: int) -> int:
+        """Length of `shard`'s needed interval (its extended input)."""
+        n0, n1 = self.needed[shard]
+        return n1 - n0
 
     @property
-    def extended_extent(self) -> int:
-        """Length of every shard's needed interval (the same for all shards)."""
-        n0, n1 = self.needed[0]
-        return n1 - n0
+    def even(self) -> bool:
+        """Whether every shard holds as many inputs, reads as many and computes as many
+        outputs as every other one."""
+        return (len({stop - start for start, stop in self.owned}) == 1
+                and len({stop - start for start, stop in self.needed}) == 1
+                and len({stop - start for start, stop in self.outputs}) == 1)
 
     def transfer(self, sender: int, receiver: int) -> Optional[Interval]:
         """The global interval `sender` sends to `receiver`, or None if nothing."""
@@ -152,9 +201,8 @@ class AxisPlan:
         """
         w = self.window
         p = w.pad_before(self.global_extent)
-        per_shard = self.local_output_extent
         counts = []
-        for o in range(shard * per_shard, (shard + 1) * per_shard):
+        for o in range(*self.outputs[shard]):
             taps = (o * w.stride - p + i * w.dilation for i in range(w.kernel))
             counts.append(sum(0 <= tap < self.global_extent for tap in taps))
         return counts
@@ -199,11 +247,11 @@ def local_window_boundary(plan: AxisPlan, shard: int) -> Optional[tuple[Boundary
     window = plan.window
     start_in, stop_in = plan.owned[shard]
     local_in = stop_in - start_in
-    local_out = plan.local_output_extent
+    local_out = plan.local_output_extent(shard)
     if window.output_extent(local_in) != local_out:
         return None
     local_pad = window.pad_before(local_in)
-    first_out = shard * local_out
+    first_out = plan.outputs[shard][0]
     if start_in - local_pad != first_out * window.stride - window.pad_before(plan.global_extent):
         return None
     received_before_start = max(plan.needed[shard][0], 0)
@@ -233,10 +281,11 @@ def local_window_boundary(plan: AxisPlan, shard: int) -> Optional[tuple[Boundary
 
 @functools.lru_cache(maxsize=4096)
 def plan_axis(global_extent: int, shards: int, window: Window) -> AxisPlan:
-    """Plan one axis of a window op over `global_extent` split into `shards` equal shards.
+    """Plan one axis of a window op over `global_extent` split into `shards` shards
+    (`split_bounds`; they need not be equal).
 
     Raises:
-        ShardAlignmentError: if E or O is not divisible by `shards`, or no window fits.
+        ShardAlignmentError: if no window fits, or E or O is smaller than `shards`.
     """
     global_extent = _check_positive("global_extent", global_extent)
     shards = _check_positive("shards", shards)
@@ -246,19 +295,24 @@ def plan_axis(global_extent: int, shards: int, window: Window) -> AxisPlan:
             f"The window (extent {window.extent}) is larger than the input extent "
             f"{global_extent} with padding 'valid'; there is no output."
         )
-    if global_extent % shards or out % shards:
-        raise ShardAlignmentError(
-            f"Input extent {global_extent} and output extent {out} must both be divisible "
-            f"by the {shards} shards so that every shard holds an equal slab."
-        )
-    local_in, local_out = global_extent // shards, out // shards
+    owned, outputs = _split_input_and_output(global_extent, out, shards)
     p = window.pad_before(global_extent)
-    owned, needed = [], []
-    for j in range(shards):
-        o0, o1 = j * local_out, (j + 1) * local_out
-        owned.append((j * local_in, (j + 1) * local_in))
-        needed.append((o0 * window.stride - p, (o1 - 1) * window.stride - p + window.extent))
-    return AxisPlan(global_extent, shards, window, out, tuple(owned), tuple(needed))
+    needed = tuple(
+        (o0 * window.stride - p, (o1 - 1) * window.stride - p + window.extent)
+        for o0, o1 in outputs
+    )
+    return AxisPlan(global_extent, shards, window, out, owned, needed, outputs)
+
+
+def _split_input_and_output(global_extent: int, output_extent: int, shards: int):
+    """`split_bounds` of the input and output extents, with one message if either has
+    fewer planes than shards."""
+    if global_extent < shards or output_extent < shards:
+        raise ShardAlignmentError(
+            f"Input extent {global_extent} and output extent {output_extent} must both be "
+            f"at least the {shards} shards, so that every shard holds a plane of each."
+        )
+    return split_bounds(global_extent, shards), split_bounds(output_extent, shards)
 
 
 def transposed_output_extent(input_extent: int, kernel: int, stride: int, padding: str,
@@ -295,7 +349,7 @@ class TransposedAxisPlan(AxisPlan):
         """Where `shard`'s first output lies in the 'valid' transposed convolution of
         its needed inputs; negative when it lies in a gap that no input reaches (k < t),
         filled with zeros."""
-        first_output = shard * self.local_output_extent
+        first_output = self.outputs[shard][0]
         return first_output + self.pad_before - self.needed[shard][0] * self.window.stride
 
 
@@ -304,17 +358,17 @@ def plan_transposed_axis(global_extent: int, shards: int, kernel: int, stride: i
                          padding: str = "valid",
                          output_padding: Optional[int] = None) -> TransposedAxisPlan:
     """Plan one axis of a transposed convolution over `global_extent` split into `shards`
-    equal shards: any kernel, stride, padding and output padding Keras accepts (no
-    dilation).
+    shards (`split_bounds`): any kernel, stride, padding and output padding Keras
+    accepts (no dilation).
 
-    Output shard j owns outputs [o0, o1) (an equal split of the global output extent O)
+    Output shard j owns outputs [o0, o1) (`split_bounds` of the global output extent O)
     and reads the inputs [ceil((o0 + p - k + 1) / t), floor((o1 - 1 + p) / t) + 1), p
     being `pad_before`; with kernel <= stride and no padding these are exactly the
     inputs it owns (no halo). Its `needed` interval starts there and has the length of
     the longest such read, the same for every shard.
 
     Raises:
-        ShardAlignmentError: if E or O is not divisible by `shards`.
+        ShardAlignmentError: if E or O is smaller than `shards`.
         ValueError: for a non-positive extent, kernel or stride, an unknown padding, or
             an output padding outside [0, stride).
     """
@@ -327,21 +381,37 @@ def plan_transposed_axis(global_extent: int, shards: int, kernel: int, stride: i
             f"Received: output_padding={output_padding}, stride={stride}"
         )
     out = transposed_output_extent(global_extent, kernel, stride, window.padding, output_padding)
-    if global_extent % shards or out % shards:
-        raise ShardAlignmentError(
-            f"Input extent {global_extent} and output extent {out} must both be divisible "
-            f"by the {shards} shards so that every shard holds an equal slab."
-        )
+    owned, outputs = _split_input_and_output(global_extent, out, shards)
     pad = 0 if window.padding == "valid" else max((global_extent - 1) * stride + kernel - out, 0) // 2
-    local_in, local_out = global_extent // shards, out // shards
-    owned, reads = [], []
-    for j in range(shards):
-        o0, o1 = j * local_out, (j + 1) * local_out
-        owned.append((j * local_in, (j + 1) * local_in))
-        reads.append((-(-(o0 + pad - kernel + 1) // stride), (o1 - 1 + pad) // stride + 1))
-    # Every shard's extended input has the same length (Horovod's alltoall along a later
-    # axis needs equal extents along this one): a shorter read is lengthened at its end,
-    # by inputs that reach only outputs past the shard's.
-    length = max(stop - start for start, stop in reads)
-    needed = [(start, start + length) for start, _ in reads]
-    return TransposedAxisPlan(global_extent, shards, window, out, tuple(owned), tuple(needed), pad)
+    reads = [(-(-(o0 + pad - kernel + 1) // stride), (o1 - 1 + pad) // stride + 1) for o0, o1 in outputs]
+    if len({o1 - o0 for o0, o1 in outputs}) == 1:
+        # Equal shards: every extended input gets the same length, so that the exchange
+        # along a later axis sends equally shaped planes (`keras_spatial.ops.
+        # exchange_axis`); a shorter read is lengthened at its end, by inputs that reach
+        # only outputs past the shard's.
+        length = max(stop - start for start, stop in reads)
+        reads = [(start, start + length) for start, _ in reads]
+    return TransposedAxisPlan(global_extent, shards, window, out, owned, tuple(reads), outputs, pad)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_upsampling_axis(global_extent: int, shards: int, size: int) -> AxisPlan:
+    """Plan one axis of nearest-neighbour up-sampling by `size` over `global_extent`
+    split into `shards` shards.
+
+    Output o repeats input o // size. Output shard j owns [o0, o1) of `split_bounds(
+    E * size)` and needs the inputs [o0 // size, (o1 - 1) // size + 1); repeating them
+    `size` times, it keeps the outputs from `o0 - needed_start * size` on. When E divides
+    by the shards, the needed inputs are the owned ones (no halo). `window` is a 1-wide
+    window, unused.
+
+    Raises:
+        ShardAlignmentError: if E is smaller than `shards`.
+    """
+    global_extent = _check_positive("global_extent", global_extent)
+    shards = _check_positive("shards", shards)
+    size = _check_positive("size", size)
+    out = global_extent * size
+    owned, outputs = _split_input_and_output(global_extent, out, shards)
+    needed = tuple((o0 // size, (o1 - 1) // size + 1) for o0, o1 in outputs)
+    return AxisPlan(global_extent, shards, Window(1), out, owned, needed, outputs)

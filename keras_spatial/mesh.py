@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+from keras_spatial.halo import split_bounds
+
 SPATIAL_AXES = ("depth", "height", "width")
 
 
@@ -133,24 +135,45 @@ class Mesh:
             return None
         return self.rank_of(self.data_index(rank), coords)
 
-    def local_extents(self, global_extents: Sequence[int]) -> tuple[int, int, int]:
-        """Per-shard extents of a (D, H, W) volume split evenly over the grid.
+    def local_extents(self, global_extents: Sequence[int],
+                      coords: Optional[Sequence[int]] = None) -> tuple[int, int, int]:
+        """Extents of the shard at `coords` of a (D, H, W) volume split over the grid
+        (`keras_spatial.halo.split_bounds`: where an extent does not divide by its shards,
+        the first shards hold one plane more).
+
+        Args:
+            global_extents: the whole volume's (D, H, W).
+            coords: the shard's grid coordinates. Without them, every extent must divide
+                by its shards (all shards have the same extents).
 
         Raises:
-            ValueError: if an extent is not divisible by its number of shards.
+            ValueError: if an extent is unknown or smaller than its number of shards, or,
+                without `coords`, does not divide by it.
         """
-        local = []
+        return tuple(stop - start for start, stop in self.shard_bounds(global_extents, coords))
+
+    def shard_bounds(self, global_extents: Sequence[int],
+                     coords: Optional[Sequence[int]] = None) -> tuple[tuple[int, int], ...]:
+        """The global intervals [start, stop) along D, H and W of the shard at `coords`
+        (see `local_extents`; without `coords`, the first shard's, extents dividing)."""
+        bounds = []
         for axis, (extent, shards) in enumerate(zip(global_extents, self.spatial_shape)):
             if extent is None:
                 raise ValueError(
                     f"The {SPATIAL_AXES[axis]} extent must be known to split a volume. "
                     f"Received: global_extents={tuple(global_extents)}"
                 )
-            if extent % shards:
+            if coords is None and extent % shards:
                 raise ValueError(
                     f"The {SPATIAL_AXES[axis]} extent {extent} cannot be split evenly into "
                     f"{shards} shards. Received: global_extents={tuple(global_extents)}, "
                     f"spatial_shape={self.spatial_shape}"
                 )
-            local.append(extent // shards)
-        return tuple(local)
+            if extent < shards:
+                raise ValueError(
+                    f"The {SPATIAL_AXES[axis]} extent {extent} is smaller than its {shards} "
+                    f"shards: every shard must hold at least one plane. Received: "
+                    f"global_extents={tuple(global_extents)}, spatial_shape={self.spatial_shape}"
+                )
+            bounds.append(split_bounds(int(extent), shards)[0 if coords is None else coords[axis]])
+        return tuple(bounds)

@@ -20,7 +20,8 @@ Each row (a dict) describes one layer:
   spatial group holds the whole tensor: after `SpatialFlatten` or global pooling).
 * `global_shape`, `local_shape`: output shape without the batch axis, of the whole sample
   and of this rank's part.
-* `halo`: for sliding-window layers (conv, pooling, non-blockwise transposed conv), per axis
+* `halo`: for sliding-window layers (conv, pooling, non-blockwise transposed conv, and
+  up-sampling where uneven shards make its output split differ from its input's), per axis
   (depth, height, width) the pair (before, after) of planes this rank's shard receives from
   its neighbours (positive) or crops off its own slab (negative); zero padding at the
   global border is not counted here but in `padding` (the sum of both is
@@ -31,7 +32,7 @@ Each row (a dict) describes one layer:
   activation memory per rank; halo buffers, gradients and optimizer state are not counted.
 
 Raises (both entry points):
-    ValueError: for a layout that cannot stay aligned (an extent not divisible by its
+    ValueError: for a layout that cannot be split (an extent smaller than its number of
         shards: the message names the layer, axis, extents and mesh), for a rank outside
         the world, for a volume flattened or pooled by a plain Keras layer while sharded.
 """
@@ -49,9 +50,12 @@ from keras_spatial.layers.global_pooling import (
     SpatialGlobalAveragePooling3D,
     SpatialGlobalMaxPooling3D,
 )
+from keras_spatial.layers.convolutional_transpose import SpatialConv3DTranspose
 from keras_spatial.layers.gather import SpatialGather
+from keras_spatial.layers.global_extents import symbolic_global_extents
 from keras_spatial.layers.reshaping import SpatialFlatten
 from keras_spatial.layers.spatial_window import SpatialWindowMixin
+from keras_spatial.layers.upsampling import SpatialUpSampling3D
 
 GATHERING_LAYERS = (SpatialFlatten, SpatialGather, SpatialGlobalAveragePooling3D, SpatialGlobalMaxPooling3D)
 # Keras layers that mix voxels (or normalize over them): wrong on a shard unless spatial.
@@ -145,7 +149,10 @@ def _global_shapes(model: keras.Model, spatial_shape: Sequence[int], is_local: b
                         f"global pooling. Received: layer={layer.name!r}, shape={shape}"
                     )
                 if is_local:
-                    shape = tuple(n * s for n, s in zip(shape[:3], spatial_shape)) + shape[3:]
+                    extents = symbolic_global_extents(tensor)
+                    if extents is None:  # not traceable to a keras_spatial.Input: equal shards
+                        extents = tuple(n * s for n, s in zip(shape[:3], spatial_shape))
+                    shape = tuple(extents) + shape[3:]
                 sharded.add(id(tensor))
             shapes[id(tensor)] = shape
     return shapes, sharded
@@ -157,11 +164,19 @@ def _rows(model, shapes, sharded, mesh: Mesh, rank: int, batch_size: int, bytes_
     for layer in model.layers:
         inputs, outputs = _layer_inputs(layer), _layer_outputs(layer)
         halo = padding = None
-        windowed = isinstance(layer, SpatialWindowMixin) and layer.exchanges_halos
-        if windowed and inputs and id(inputs[0]) in sharded:
+        planned = isinstance(layer, (SpatialWindowMixin, SpatialUpSampling3D))
+        if planned and inputs and id(inputs[0]) in sharded:
             global_in = shapes[id(inputs[0])]
-            local_in = (None,) + mesh.local_extents(global_in[:3]) + global_in[3:]
-            plans = layer.axis_plans(mesh.spatial_shape, local_in)  # raises the layer's own ValueError
+            local_in = (None,) + mesh.local_extents(global_in[:3], coords) + global_in[3:]
+            # raises the layer's own ValueError
+            plans = layer.axis_plans(mesh.spatial_shape, local_in, global_extents=global_in[:3])
+            if isinstance(layer, SpatialConv3DTranspose) and layer.blockwise(plans):
+                plans = ()  # no window reaches a neighbour
+            elif isinstance(layer, SpatialUpSampling3D) and all(p.needed == p.owned for p in plans):
+                plans = ()
+        else:
+            plans = ()
+        if plans:
             halo, padding = [], []
             for plan, shard in zip(plans, coords):
                 (i0, i1), (n0, n1) = plan.owned[shard], plan.needed[shard]
@@ -172,10 +187,10 @@ def _rows(model, shapes, sharded, mesh: Mesh, rank: int, batch_size: int, bytes_
             global_shape = shapes[id(tensor)]
             if id(tensor) in sharded:
                 try:
-                    local_shape = mesh.local_extents(global_shape[:3]) + global_shape[3:]
+                    local_shape = mesh.local_extents(global_shape[:3], coords) + global_shape[3:]
                 except ValueError as error:
                     raise ValueError(
-                        f"Layer {layer.name!r} cannot keep its shards aligned: {error}"
+                        f"Layer {layer.name!r} cannot split its output over the shards: {error}"
                     ) from None
             else:
                 local_shape = global_shape

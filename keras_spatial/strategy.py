@@ -168,8 +168,12 @@ class SpatialStrategy:
     def local_shape(self, global_shape: Sequence[Optional[int]]) -> tuple:
         """The shard shape of a channels-last (batch, D, H, W, C) global shape.
 
+        Extents that do not divide by their shards split as `keras_spatial.halo.
+        split_bounds` does: the first shards hold one plane more.
+
         Raises:
-            ValueError: if the shape is not 5D or a spatial extent does not divide.
+            ValueError: if the shape is not 5D or a spatial extent is unknown or smaller
+                than its number of shards.
         """
         global_shape = tuple(global_shape)
         if len(global_shape) != 5:
@@ -177,12 +181,11 @@ class SpatialStrategy:
                 "Expected a channels-last 5D shape (batch, depth, height, width, "
                 f"channels). Received: shape={global_shape}"
             )
-        local = self.mesh.local_extents(global_shape[1:4])
+        local = self.mesh.local_extents(global_shape[1:4], self.coords)
         return (global_shape[0],) + local + (global_shape[4],)
 
     def _bounds(self, global_extents: Sequence[int]) -> list[slice]:
-        local = self.mesh.local_extents(global_extents)
-        return [slice(c * n, (c + 1) * n) for c, n in zip(self.coords, local)]
+        return [slice(start, stop) for start, stop in self.mesh.shard_bounds(global_extents, self.coords)]
 
     # Data movement ----------------------------------------------------------------
     def shard(self, array: Any, split_batch: bool = False) -> Any:
@@ -209,13 +212,18 @@ class SpatialStrategy:
             index[0] = slice(self.data_index * per_group, (self.data_index + 1) * per_group)
         return array[tuple(index)]
 
-    def gather(self, tensor: Any) -> tf.Tensor:
+    def gather(self, tensor: Any, global_extents: Optional[Sequence[int]] = None) -> tf.Tensor:
         """The whole volume from the local shards, on every rank of the spatial group.
 
         Differentiable: the gradient is summed over the spatial group and each rank
         keeps its own slice (docs/design.md, "Gradient rule").
+
+        Args:
+            tensor: this rank's shard, (batch, d, h, w, C).
+            global_extents: the whole volume's (D, H, W). Needed when an extent does not
+                divide by its shards; by default the local extents times the shards.
         """
-        return gather_volume(tf.convert_to_tensor(tensor), self)
+        return gather_volume(tf.convert_to_tensor(tensor), self, global_extents=global_extents)
 
     def allreduce(self, value: Any, op: str = "sum", group: str = "world") -> tf.Tensor:
         """Sum or average `value` over a group of ranks (differentiable).

@@ -130,6 +130,7 @@ def alltoall(
     process_set: Any,
     name: str,
     after: Sequence[tf.Tensor] = (),
+    flatten: bool = False,
 ) -> tf.Tensor:
     """Send `x[offsets[r]:offsets[r]+send_splits[r]]` to rank r of `process_set`.
 
@@ -137,6 +138,12 @@ def alltoall(
     geometry), so the received tensor has a static leading extent `sum(recv_splits)`.
     The gradient is an alltoall with the splits swapped: each received row's gradient
     goes back to the rank that sent the row.
+
+    Horovod needs every rank's tensor to have the same shape past axis 0. Where the
+    ranks of the set hold rows of different shapes (uneven shards), pass
+    `flatten=True`: the rows travel as one flat buffer, and each received row takes the
+    shape of `x`'s rows, so every rank that sends to this one must send rows shaped as
+    this rank's.
 
     `after`: tensors the exchange runs after, in a graph. Pass the tensor `x` was cut
     from: it keeps apart, in graph optimization, exchanges of different tensors whose
@@ -148,26 +155,30 @@ def alltoall(
     out_shape = [sum(recv)] + list(x.shape[1:])
     in_shape = list(x.shape)
 
+    def exchange(tensor, splits, rows_out, op_name):
+        if not flatten:
+            received, _ = hvd.alltoall(
+                tensor, splits=tf.constant(splits, tf.int32), name=op_name, process_set=process_set
+            )
+            return received
+        row_shape = tf.shape(tensor)[1:]
+        per_row = tf.cast(tf.reduce_prod(row_shape), tf.int32)
+        received, _ = hvd.alltoall(
+            tf.reshape(tensor, [-1]), splits=tf.constant(splits, tf.int32) * per_row,
+            name=op_name, process_set=process_set,
+        )
+        return tf.reshape(received, tf.concat([[rows_out], row_shape], axis=0))
+
     @tf.custom_gradient
     def _alltoall(tensor):
         with tf.control_dependencies(list(after)):
-            received, _ = hvd.alltoall(
-                tensor,
-                splits=tf.constant(send, tf.int32),
-                name=_named(name),
-                process_set=process_set,
-            )
+            received = exchange(tensor, send, sum(recv), _named(name))
         mark = mark_forward(received)
         received = tf.ensure_shape(received, out_shape)
 
         def grad(upstream):
             with backward_of(mark, process_set):
-                returned, _ = hvd.alltoall(
-                    upstream,
-                    splits=tf.constant(recv, tf.int32),
-                    name=_named("grad"),
-                    process_set=process_set,
-                )
+                returned = exchange(upstream, recv, sum(send), _named("grad"))
             return tf.ensure_shape(returned, in_shape)
 
         return received, grad

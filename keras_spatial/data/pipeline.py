@@ -47,14 +47,14 @@ class _EpochCounter:
 def _local_region(strategy: "SpatialStrategy", dataset: HDF5Dataset) -> tuple[slice, ...]:
     """This rank's hyperslab (depth, height, width) of every sample."""
     try:
-        local = strategy.local_shape((None,) + tuple(dataset.sample_shape))
+        strategy.local_shape((None,) + tuple(dataset.sample_shape))  # validates
     except ValueError as error:
         raise InvalidDataError(
             f"The samples of dataset '{dataset.x_key}' (e.g. in '{dataset.paths[0]}') "
             f"cannot be split over the mesh: {error}"
         ) from error
-    extents = local[1:4]
-    return tuple(slice(c * n, (c + 1) * n) for c, n in zip(strategy.coords, extents))
+    bounds = strategy.mesh.shard_bounds(tuple(dataset.sample_shape)[:3], strategy.coords)
+    return tuple(slice(start, stop) for start, stop in bounds)
 
 
 def _check_ranks_agree(settings: tuple) -> None:

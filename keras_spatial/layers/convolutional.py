@@ -10,7 +10,7 @@ from keras_spatial.ops.halo_convolution import (
     convolve_halo_parts,
     convolve_with_boundary_planes,
 )
-from keras_spatial.ops.halo_exchange import exchange_axis
+from keras_spatial.ops.halo_exchange import exchange_axis, flat_exchange
 from keras_spatial.layers.spatial_window import (
     SpatialWindowMixin,
     active_spatial_strategy,
@@ -50,16 +50,17 @@ class SpatialConv3D(SpatialWindowMixin, keras.layers.Conv3D):
       extended shard.
 
     Input shape:
-        LOCAL shard `(batch, d, h, w, channels)`, where (d, h, w) is the global extent
-        divided by the strategy's `spatial_shape`.
+        LOCAL shard `(batch, d, h, w, channels)` of the global input
+        (`keras_spatial.halo.split_bounds`: extents that do not divide by the shards
+        leave the first shards one plane more).
 
     Output shape:
         LOCAL shard `(batch, d_out, h_out, w_out, filters)` of the global output.
 
     Raises:
         SpatialNotSupportedError: for data_format='channels_first'.
-        ValueError: at build time, if an axis's global output extent cannot be split
-            evenly over its shards (the message names layer, axis, extents and mesh).
+        ValueError: at build time, if an axis's global input or output extent has fewer
+            planes than shards (the message names layer, axis, extents and mesh).
 
     Example:
     ```python
@@ -86,12 +87,12 @@ class SpatialConv3D(SpatialWindowMixin, keras.layers.Conv3D):
         plans = self.axis_plans(strategy.spatial_shape, inputs.shape)
         axis = boundary_plane_axis(
             plans, self.kernel_size, self.strides, self.dilation_rate, self.padding,
-            self.groups, inputs.shape[1:4],
+            self.groups,
         )
         if axis is not None:
             before, after = exchange_axis(
                 inputs, axis, plans[axis], strategy.mesh, strategy.coords,
-                strategy.spatial_process_set, name="ks_halo",
+                strategy.spatial_process_set, name="ks_halo", flatten=flat_exchange(plans),
             )
             return convolve_with_boundary_planes(
                 inputs,

@@ -33,8 +33,9 @@ class SpatialConv3DTranspose(SpatialWindowMixin, keras.layers.Conv3DTranspose):
 
     - where every input voxel fills its own output block (kernel_size <= strides on
       every axis and no output_padding, e.g. the usual U-Net up-sampling with kernel and
-      strides 2), each rank computes its output shard from its own inputs, with no
-      communication;
+      strides 2) and the shards' outputs line up with their inputs (always when the
+      extents divide by the shards), each rank computes its output shard from its own
+      inputs, with no communication;
     - otherwise each rank receives the neighbours' input planes its outputs read
       (`keras_spatial.halo.plan_transposed_axis`: about (kernel - 1) / strides planes),
       runs the 'valid' transposed convolution on its extended shard and keeps its own
@@ -55,8 +56,8 @@ class SpatialConv3DTranspose(SpatialWindowMixin, keras.layers.Conv3DTranspose):
         initializers, regularizers, constraints).
 
     Input shape:
-        LOCAL shard `(batch, d, h, w, channels)`, where (d, h, w) is the global extent
-        divided by the strategy's `spatial_shape`.
+        LOCAL shard `(batch, d, h, w, channels)` of the global input
+        (`keras_spatial.halo.split_bounds`).
 
     Output shape:
         LOCAL shard of the global output of `keras.layers.Conv3DTranspose` (for
@@ -67,7 +68,7 @@ class SpatialConv3DTranspose(SpatialWindowMixin, keras.layers.Conv3DTranspose):
         SpatialNotSupportedError: at construction, for dilation_rate other than 1 or
             data_format='channels_first'; the message names the layer and the values.
         ValueError: at build time, if a spatial extent of the input is unknown, or if a
-            split axis's global output extent does not divide by its number of shards.
+            split axis's global input or output extent has fewer planes than shards.
 
     Example:
     ```python
@@ -107,13 +108,26 @@ class SpatialConv3DTranspose(SpatialWindowMixin, keras.layers.Conv3DTranspose):
             self._output_padding(axis),
         )
 
+    def blockwise(self, plans) -> bool:
+        """Whether each shard's outputs are the transposed convolution of its own inputs
+        alone: no halo by the layer's config (`exchanges_halos`) and, on every axis, every
+        shard's outputs are `strides` times its inputs (always with equal shards; with
+        uneven ones, when the output split lines up with the input split)."""
+        return not self.exchanges_halos and all(
+            plan.needed == plan.owned
+            and all(plan.output_start(j) == 0 for j in range(plan.shards))
+            for plan in plans
+        )
+
     def call(self, inputs):
         strategy = active_spatial_strategy()
-        if strategy is None or not self.exchanges_halos:
-            # Blockwise: the transposed convolution of a shard is the shard of the
-            # transposed convolution of the volume.
+        if strategy is None:
             return super().call(inputs)
         plans = self.axis_plans(strategy.spatial_shape, inputs.shape)
+        if self.blockwise(plans):
+            # The transposed convolution of a shard is the shard of the transposed
+            # convolution of the volume.
+            return super().call(inputs)
         extended = self._extend(inputs, strategy, plans, fill_value=0.0)
         outputs = transposed_convolution_shard(extended, self.kernel, plans, strategy.coords)
         if self.use_bias:
@@ -124,6 +138,6 @@ class SpatialConv3DTranspose(SpatialWindowMixin, keras.layers.Conv3DTranspose):
 
     def compute_output_shape(self, input_shape):
         strategy = active_spatial_strategy()
-        if strategy is None or not self.exchanges_halos:
+        if strategy is None:
             return super().compute_output_shape(input_shape)
         return self._spatial_output_shape(strategy, input_shape, self.filters)

@@ -22,8 +22,8 @@ class SpatialInputLayer(keras.layers.InputLayer):
         Other arguments as `keras.layers.InputLayer`.
 
     Raises:
-        ValueError: if the shape is not (D, H, W, C), or an extent cannot be split
-            evenly over the strategy's mesh.
+        ValueError: if the shape is not (D, H, W, C), or an extent is smaller than its
+            number of shards.
     """
 
     def __init__(self, shape=None, batch_size=None, dtype=None, batch_shape=None, name=None, **kwargs):

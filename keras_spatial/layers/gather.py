@@ -2,11 +2,12 @@
 
 import keras
 
+from keras_spatial.layers.global_extents import GlobalExtentsMixin
 from keras_spatial.layers.spatial_window import active_spatial_strategy
 
 
 @keras.saving.register_keras_serializable(package="keras_spatial")
-class SpatialGather(keras.layers.Identity):
+class SpatialGather(GlobalExtentsMixin, keras.layers.Identity):
     """Gather a sharded volume onto every rank of its spatial group.
 
     After this layer the volume is REPLICATED: every rank of the spatial group holds the
@@ -43,10 +44,15 @@ class SpatialGather(keras.layers.Identity):
         strategy = active_spatial_strategy()
         if strategy is None:
             return super().call(inputs)
-        return strategy.gather(inputs)
+        return strategy.gather(inputs, self.global_input_extents(inputs.shape[1:4], strategy.spatial_shape))
 
     def compute_output_spec(self, inputs):
+        strategy = active_spatial_strategy()
+        self.record_global_extents(inputs, strategy)
         return keras.KerasTensor(self.compute_output_shape(inputs.shape), dtype=inputs.dtype)
+
+    def global_output_extents(self, extents):
+        return None  # the gathered volume is replicated
 
     def compute_output_shape(self, input_shape):
         strategy = active_spatial_strategy()
@@ -57,5 +63,5 @@ class SpatialGather(keras.layers.Identity):
                 "SpatialGather takes a 5D (batch, depth, height, width, channels) shard. "
                 f"Received: input_shape={tuple(input_shape)}, layer={self.name!r}"
             )
-        extents = tuple(n * s for n, s in zip(input_shape[1:4], strategy.spatial_shape))
+        extents = tuple(self.global_input_extents(input_shape[1:4], strategy.spatial_shape))
         return (input_shape[0],) + extents + (input_shape[4],)

@@ -3,6 +3,9 @@
 import keras
 from keras import ops
 
+import math
+
+from keras_spatial.layers.global_extents import GlobalExtentsMixin
 from keras_spatial.layers.spatial_window import active_spatial_strategy, check_channels_last
 from keras_spatial.ops.global_reductions import global_max, global_mean
 
@@ -13,7 +16,7 @@ def _keep_or_drop_dims(pooled, keepdims):
 
 
 @keras.saving.register_keras_serializable(package="keras_spatial")
-class SpatialGlobalAveragePooling3D(keras.layers.GlobalAveragePooling3D):
+class SpatialGlobalAveragePooling3D(GlobalExtentsMixin, keras.layers.GlobalAveragePooling3D):
     """Global average pooling of a volume split across the ranks of a spatial group.
 
     Takes exactly the arguments of `keras.layers.GlobalAveragePooling3D`. Each rank
@@ -57,12 +60,20 @@ class SpatialGlobalAveragePooling3D(keras.layers.GlobalAveragePooling3D):
         strategy = active_spatial_strategy()
         if strategy is None:
             return super().call(inputs)
-        pooled = global_mean(inputs, strategy.spatial_process_set)
+        local = tuple(inputs.shape[1:4])
+        extents = self.global_input_extents(local, strategy.spatial_shape)
+        fraction = None
+        if tuple(n * s for n, s in zip(local, strategy.spatial_shape)) != tuple(extents):
+            fraction = math.prod(local) / math.prod(extents)  # uneven shards
+        pooled = global_mean(inputs, strategy.spatial_process_set, fraction)
         return _keep_or_drop_dims(pooled, self.keepdims)
+
+    def global_output_extents(self, extents):
+        return None  # the pooled volume is replicated
 
 
 @keras.saving.register_keras_serializable(package="keras_spatial")
-class SpatialGlobalMaxPooling3D(keras.layers.GlobalMaxPooling3D):
+class SpatialGlobalMaxPooling3D(GlobalExtentsMixin, keras.layers.GlobalMaxPooling3D):
     """Global max pooling of a volume split across the ranks of a spatial group.
 
     Takes exactly the arguments of `keras.layers.GlobalMaxPooling3D`. Each rank takes
@@ -107,3 +118,6 @@ class SpatialGlobalMaxPooling3D(keras.layers.GlobalMaxPooling3D):
             return super().call(inputs)
         pooled = global_max(inputs, strategy.spatial_process_set)
         return _keep_or_drop_dims(pooled, self.keepdims)
+
+    def global_output_extents(self, extents):
+        return None  # the pooled volume is replicated

@@ -43,7 +43,8 @@ class SpatialMaxPooling3D(_SpatialPoolingMixin, keras.layers.MaxPooling3D):
 
     Raises:
         SpatialNotSupportedError: for data_format='channels_first'.
-        ValueError: at build time, if a global output extent cannot be split evenly.
+        ValueError: at build time, if a global input or output extent has fewer planes
+            than shards.
     """
 
     def __init__(self, *args, **kwargs):
@@ -86,7 +87,8 @@ class SpatialAveragePooling3D(_SpatialPoolingMixin, keras.layers.AveragePooling3
 
     Raises:
         SpatialNotSupportedError: for data_format='channels_first'.
-        ValueError: at build time, if a global output extent cannot be split evenly.
+        ValueError: at build time, if a global input or output extent has fewer planes
+            than shards.
     """
 
     def __init__(self, *args, **kwargs):

@@ -5,11 +5,12 @@ import math
 import keras
 
 from keras_spatial.errors import SpatialNotSupportedError
+from keras_spatial.layers.global_extents import GlobalExtentsMixin
 from keras_spatial.layers.spatial_window import active_spatial_strategy, check_channels_last
 
 
 @keras.saving.register_keras_serializable(package="keras_spatial")
-class SpatialFlatten(keras.layers.Flatten):
+class SpatialFlatten(GlobalExtentsMixin, keras.layers.Flatten):
     """Gathers the whole volume over the spatial group, then flattens it.
 
     Takes exactly the arguments of `keras.layers.Flatten`. The features come in the
@@ -63,12 +64,16 @@ class SpatialFlatten(keras.layers.Flatten):
         if strategy is None:
             return super().call(inputs)
         self._check_shard(inputs.shape)
-        return super().call(strategy.gather(inputs))
+        extents = self.global_input_extents(inputs.shape[1:4], strategy.spatial_shape)
+        return super().call(strategy.gather(inputs, extents))
 
     def compute_output_shape(self, input_shape):
         strategy = active_spatial_strategy()
         if strategy is None:
             return super().compute_output_shape(input_shape)
         self._check_shard(input_shape)
-        global_extents = [n * s for n, s in zip(input_shape[1:4], strategy.spatial_shape)]
+        global_extents = self.global_input_extents(input_shape[1:4], strategy.spatial_shape)
         return (input_shape[0], math.prod(global_extents) * input_shape[4])
+
+    def global_output_extents(self, extents):
+        return None  # the flattened volume is replicated

@@ -7,21 +7,27 @@ from keras_spatial import comm
 SPATIAL_AXES = (1, 2, 3)
 
 
-def global_mean(x, process_set):
+def global_mean(x, process_set, fraction=None):
     """Mean over the spatial axes of the whole volume, `(batch, 1, 1, 1, channels)`.
 
-    Each rank averages its shard and the shard means are averaged over `process_set`
-    (shards hold equally many voxels, so this is the mean of the whole volume). The
-    gradient is the adjoint of that average: every voxel receives the average over the
+    Each rank averages its shard; with equal shards (`fraction` None) the shard means are
+    averaged over `process_set`, otherwise each is weighted by the shard's `fraction` of
+    the volume's voxels and the weighted means are summed. The gradient is the adjoint:
+    every voxel receives the average (or the sum, times its shard's fraction) over the
     group of the ranks' upstream gradients, divided by its shard's voxel count
     (`comm.allreduce`'s registered gradient).
 
     Args:
         x: the local shard `(batch, d, h, w, channels)`.
         process_set: the Horovod process set of the ranks holding the volume.
+        fraction: this shard's voxels over the whole volume's, or None when every
+            shard holds as many voxels.
     """
     local_mean = tf.reduce_mean(x, axis=SPATIAL_AXES, keepdims=True)
-    return comm.allreduce(local_mean, process_set, name="ks_global_mean", op="average")
+    if fraction is None:
+        return comm.allreduce(local_mean, process_set, name="ks_global_mean", op="average")
+    weighted = local_mean * tf.constant(fraction, local_mean.dtype)
+    return comm.allreduce(weighted, process_set, name="ks_global_mean", op="sum")
 
 
 def global_max(x, process_set):

@@ -225,16 +225,17 @@ def convolve_with_boundary_planes(x, before, after, kernel, spatial_axis: int) -
     return convolve(x, tf.convert_to_tensor(kernel), *[side[0] for side in sides])
 
 
-def boundary_plane_axis(plans, kernel_size, strides, dilation_rate, padding, groups, local_extents):
+def boundary_plane_axis(plans, kernel_size, strides, dilation_rate, padding, groups):
     """The one exchanging axis if `convolve_with_boundary_planes` gives a Conv3D's
-    output on every rank, else None (convolve the extended shard instead).
+    output on every rank, else None (convolve the extended shard instead). Every rank
+    of the group decides alike (the answer depends on the plans only).
 
     `plans` are the layer's `keras_spatial.halo.AxisPlan`s; the other arguments are
-    the Conv3D's attributes and the local (shard) extents.
+    the Conv3D's attributes.
 
     It does for 'same' padding, stride 1, no dilation, one group, halos exchanged along
     one axis only, and along that axis at least one plane on each side (so every shard
-    receives something) and no more than a shard holds. Every shard's needed interval
+    receives something) and no more than the smallest shard holds. Every shard's needed interval
     must then be its own one widened by TensorFlow's 'same' padding, on every axis.
     """
     if (
@@ -249,7 +250,8 @@ def boundary_plane_axis(plans, kernel_size, strides, dilation_rate, padding, gro
         return None
     axis = exchanging[0]
     halo = same_padding(kernel_size[axis])
-    if min(halo) < 1 or max(halo) > local_extents[axis]:
+    smallest = min(plans[axis].local_input_extent(shard) for shard in range(plans[axis].shards))
+    if min(halo) < 1 or max(halo) > smallest:
         return None
     for plan, size in zip(plans, kernel_size):
         if any(plan.halo(shard) != same_padding(size) for shard in range(plan.shards)):
@@ -283,7 +285,7 @@ def transposed_convolution_shard(extended, kernel, plans, coords: Sequence[int])
     outputs = tf.ensure_shape(outputs, [None, *lengths, kernel.shape[-2]])
     for spatial_axis, (plan, shard) in enumerate(zip(plans, coords)):
         axis = spatial_axis + 1
-        start, count = plan.output_start(shard), plan.local_output_extent
+        start, count = plan.output_start(shard), plan.local_output_extent(shard)
         if start < 0:
             pad = [[0, 0]] * 5
             pad[axis] = [-start, 0]

@@ -63,6 +63,7 @@ def exchange_axis(
     process_set,
     name: str,
     empty_from: tf.Tensor | None = None,
+    flatten: bool = False,
 ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
     """Receive the halo planes of `x` along one spatial axis from this rank's neighbours.
 
@@ -75,6 +76,10 @@ def exchange_axis(
     its gradient is a zero tensor of `x`'s full size added to `x`'s gradient; pass
     `empty_from`, a smaller tensor computed from `x` (e.g. the layer's output on the
     shard), to cut it from that instead.
+
+    `flatten`: send the planes as one flat buffer (`comm.alltoall`), needed when ranks of
+    the set hold planes of different shapes (uneven shards on another axis:
+    `flat_exchange(plans)`). Ranks on one line along the axis hold equally shaped planes.
 
     Returns:
         (before, after): the received slabs that lie before / after this rank's shard
@@ -107,7 +112,7 @@ def exchange_axis(
         buffer = tf.reshape(slice_axis(empty_from, axis, 0, 0), front_shape)
     received = comm.alltoall(
         buffer, send_splits, recv_splits, process_set,
-        name=f"{name}_{SPATIAL_AXES[spatial_axis]}", after=[x],
+        name=f"{name}_{SPATIAL_AXES[spatial_axis]}", after=[x], flatten=flatten,
     )
     if not sources:
         return [], [_from_front(received, axis)]
@@ -119,6 +124,12 @@ def exchange_axis(
     return before, after
 
 
+def flat_exchange(plans: Sequence[AxisPlan]) -> bool:
+    """Whether exchanges under these per-axis plans must send flat buffers
+    (`exchange_axis`'s `flatten`): some shards differ in extent on some axis."""
+    return not all(plan.even for plan in plans)
+
+
 def extend_axis(
     x: tf.Tensor,
     spatial_axis: int,
@@ -128,11 +139,13 @@ def extend_axis(
     process_set,
     fill_value: float,
     name: str,
+    flatten: bool = False,
 ) -> tf.Tensor:
     """Extend `x` (batch, D, H, W, C) along one spatial axis to its needed interval."""
     before, after = [], []
     if plan.exchanges:
-        before, after = exchange_axis(x, spatial_axis, plan, mesh, coords, process_set, name)
+        before, after = exchange_axis(x, spatial_axis, plan, mesh, coords, process_set, name,
+                                      flatten=flatten)
     return _assemble_axis(x, before, after, spatial_axis, plan, coords[spatial_axis], fill_value)
 
 
@@ -192,6 +205,7 @@ def exchange_halos(
     exchange nothing left to `HaloParts.assemble`. Arguments as for `extend_to_halo`."""
     exchanging = [axis for axis, plan in enumerate(plans) if plan.exchanges]
     last = exchanging[-1] if exchanging else -1
+    flatten = flat_exchange(plans)
     # Axes that exchange nothing (unsplit ones, and split ones whose window stays inside
     # each shard) only crop and pad: one slice each and ONE tf.pad for all of them,
     # instead of a concatenation (a full copy of the shard) per axis.
@@ -202,9 +216,11 @@ def exchange_halos(
         me = coords[spatial_axis]
         if plan.exchanges:
             if spatial_axis < last:
-                x = extend_axis(x, spatial_axis, plan, mesh, coords, process_set, fill_value, name)
+                x = extend_axis(x, spatial_axis, plan, mesh, coords, process_set, fill_value, name,
+                                flatten=flatten)
             else:
-                before, after = exchange_axis(x, spatial_axis, plan, mesh, coords, process_set, name)
+                before, after = exchange_axis(x, spatial_axis, plan, mesh, coords, process_set, name,
+                                              flatten=flatten)
             continue
         kept, owned = plan.kept(me), plan.owned[me]
         if kept != owned:

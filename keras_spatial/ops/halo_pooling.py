@@ -15,7 +15,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_spatial.halo import local_window_boundary
-from keras_spatial.ops.halo_exchange import exchange_axis, slice_axis
+from keras_spatial.ops.halo_exchange import exchange_axis, flat_exchange, slice_axis
 
 
 def in_place_layout(plans, coords, kind):
@@ -96,7 +96,7 @@ def pool_shard_in_place(inputs, pool_size, strides, padding, kind, plans, mesh, 
     local = pool(reduced, along, along_strides, padding, "channels_last")
     before, after = exchange_axis(
         reduced, spatial_axis, plans[spatial_axis], mesh, coords, process_set,
-        name="ks_halo", empty_from=local,
+        name="ks_halo", empty_from=local, flatten=flat_exchange(plans),
     )
     if not boundary:
         # Nothing arrives here (`after` holds the alltoall's empty result): keep that

@@ -114,7 +114,7 @@ def test_misaligned_layout_is_refused_before_building_for_the_rank():
     plain = keras.Model(x, y)
     spatial_global = ks.spatialize(plain)
     assert _spatial_config(plain)["layers"][1]["class_name"] == "SpatialMaxPooling3D"
-    with pytest.raises(ValueError, match="cannot keep its shards aligned"):
+    with pytest.raises(ValueError, match="cannot split its input or output over its shards"):
         _check_sharded_layers(plain, spatial_global, (2, 1, 1))
 
 

@@ -115,7 +115,7 @@ def test_spatial_split_must_divide_the_bottom_extent():
     with pytest.raises(ValueError, match=r"height extent 32 to 4.*over 8 shards"):
         check_split((16, 32, 16, 1), 3, (1, 8, 1))
     # Without the recipe's check, the layers refuse the layout at build time too.
-    with pytest.raises(ValueError, match="'down3_pool' cannot keep its shards aligned along the depth"):
+    with pytest.raises(ValueError, match="'down3_pool' cannot split its input or output over its shards along the depth"):
         plan_for_mesh(lambda: build_model(16, depth=4, base_filters=2), (2, 1, 1))
 
 

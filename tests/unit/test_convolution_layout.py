@@ -13,8 +13,7 @@ def _axis(global_extents, spatial_shape, kernel=3, strides=1, dilation=1, paddin
         plan_axis(extent, shards, Window(k, s, d, padding))
         for extent, shards, k, s, d in zip(global_extents, spatial_shape, kernel, strides, dilation)
     )
-    local = tuple(extent // shards for extent, shards in zip(global_extents, spatial_shape))
-    return boundary_plane_axis(plans, kernel, strides, dilation, padding, groups, local)
+    return boundary_plane_axis(plans, kernel, strides, dilation, padding, groups)
 
 
 def test_same_stride_one_on_one_split_axis_uses_the_boundary_planes():

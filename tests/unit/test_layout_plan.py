@@ -100,7 +100,7 @@ def test_two_axis_split_rank_coordinates():
     rows = plan_for_mesh(conv_only, (2, 2, 1), rank=7, world_size=8)  # data group 1, coords (1, 1, 0)
     assert rows[1]["local_shape"] == (4, 2, 4, 3)
     assert rows[1]["halo"] == ((1, 0), (1, 0), (0, 0))
-    with pytest.raises(ValueError, match="Layer 'conv2' cannot keep its shards aligned along the height axis"):
+    with pytest.raises(ValueError, match="Layer 'conv2' cannot split its input or output over its shards along the height axis"):
         plan_for_mesh(tiny_model, (2, 2, 1))  # conv2: height 2 -> 1
 
 
@@ -121,12 +121,33 @@ def test_summary_of_a_model_built_under_the_strategy_matches_plan_for_mesh(rank)
 
 
 def test_incompatible_layout_raises_the_layer_error():
-    with pytest.raises(ValueError, match=r"Layer 'conv2' cannot keep its shards aligned along the depth axis.*Received:"):
+    with pytest.raises(ValueError, match=r"Layer 'conv2' cannot split its input or output over its shards along the depth axis.*Received:"):
         plan_for_mesh(tiny_model, (4, 1, 1))
-    with pytest.raises(ValueError, match="Layer 'conv2' cannot keep its shards aligned"):
+    with pytest.raises(ValueError, match="Layer 'conv2' cannot split its input or output over its shards"):
         summary(tiny_model(), offline_strategy((4, 1, 1), 0), print_fn=None)
-    with pytest.raises(ValueError, match="depth extent 8 cannot be split evenly into 3 shards"):
+    # 8 planes on 3 shards split 3, 3, 2; conv2's 2 outputs cannot cover 3 shards.
+    with pytest.raises(ValueError, match="Input extent 4 and output extent 2 must both be at least the 3 shards"):
         plan_for_mesh(tiny_model, (3, 1, 1))
+
+
+def test_uneven_split_plans_each_rank_its_own_shard():
+    def odd_model():
+        x = ks.Input((7, 5, 4, 2), name="x")
+        y = ks.layers.SpatialConv3D(3, 3, padding="same", name="conv")(x)
+        y = ks.layers.SpatialMaxPooling3D(2, name="pool")(y)  # 7 -> 3, 5 -> 2
+        return keras.Model(x, ks.layers.SpatialFlatten(name="flatten")(y))
+
+    first = plan_for_mesh(odd_model, (2, 2, 1), rank=0)
+    last = plan_for_mesh(odd_model, (2, 2, 1), rank=3)
+    assert [r["local_shape"] for r in first[:3]] == [(4, 3, 4, 2), (4, 3, 4, 3), (2, 1, 2, 3)]
+    assert [r["local_shape"] for r in last[:3]] == [(3, 2, 4, 2), (3, 2, 4, 3), (1, 1, 2, 3)]
+    assert first[1]["halo"] == ((0, 1), (0, 1), (0, 0))
+    assert last[1]["halo"] == ((1, 0), (1, 0), (0, 0))
+    # pool: rank 0 outputs [0, 2) reads inputs [0, 4), its own; rank 3 outputs [2, 3)
+    # reads [4, 6) but holds [4, 7): it crops one plane; along height it holds [3, 5)
+    # and its output 1 reads [2, 4): one plane received, one cropped.
+    assert first[2]["halo"] == ((0, 0), (0, -1), (0, 0)) and last[2]["halo"] == ((0, -1), (1, -1), (0, 0))
+    assert first[3]["global_shape"] == (3 * 2 * 2 * 3,)
 
 
 def test_refusals():
@@ -169,5 +190,5 @@ def test_cli_prints_the_plan_and_refuses_an_incompatible_layout(capsys):
         capture_output=True, text=True, cwd="/", timeout=120,
     )
     assert result.returncode == 1
-    assert "Layer 'block4_conv' cannot keep its shards aligned along the depth axis" in result.stderr
+    assert "Layer 'block4_pool' cannot split its input or output over its shards along the depth axis" in result.stderr
     assert "Received:" in result.stderr and result.stdout == ""

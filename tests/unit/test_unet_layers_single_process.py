@@ -114,9 +114,9 @@ def test_transposed_convolution_needs_no_halo_when_each_input_fills_its_own_bloc
     assert all(plan.halo(shard) == (0, 0) for shard in range(4))
 
 
-def test_transposed_axis_plan_refuses_uneven_and_bad_output_padding():
-    with pytest.raises(ValueError, match="Input extent 8 and output extent 17 must both be divisible by the 2"):
-        plan_transposed_axis(8, 2, 3, 2, "valid")
+def test_transposed_axis_plan_refuses_too_many_shards_and_bad_output_padding():
+    with pytest.raises(ValueError, match="Input extent 3 and output extent 7 must both be at least the 4 shards"):
+        plan_transposed_axis(3, 4, 3, 2, "valid")
     with pytest.raises(ValueError, match="less than the stride. Received: output_padding=2, stride=2"):
         plan_transposed_axis(8, 2, 3, 2, "valid", 2)
 
