@@ -155,31 +155,34 @@ def alltoall(
     out_shape = [sum(recv)] + list(x.shape[1:])
     in_shape = list(x.shape)
 
-    def exchange(tensor, splits, rows_out, op_name):
+    def exchange(tensor, splits, op_name):
+        """(the alltoall's own output, a function shaping it into rows)."""
         if not flatten:
             received, _ = hvd.alltoall(
                 tensor, splits=tf.constant(splits, tf.int32), name=op_name, process_set=process_set
             )
-            return received
+            return received, lambda raw, rows: raw
         row_shape = tf.shape(tensor)[1:]
         per_row = tf.cast(tf.reduce_prod(row_shape), tf.int32)
         received, _ = hvd.alltoall(
             tf.reshape(tensor, [-1]), splits=tf.constant(splits, tf.int32) * per_row,
             name=op_name, process_set=process_set,
         )
-        return tf.reshape(received, tf.concat([[rows_out], row_shape], axis=0))
+        return received, lambda raw, rows: tf.reshape(raw, tf.concat([[rows], row_shape], axis=0))
 
     @tf.custom_gradient
     def _alltoall(tensor):
         with tf.control_dependencies(list(after)):
-            received = exchange(tensor, send, sum(recv), _named(name))
-        mark = mark_forward(received)
-        received = tf.ensure_shape(received, out_shape)
+            raw, shape_rows = exchange(tensor, send, _named(name))
+        # The mark is the alltoall itself: its name, ours, is the same on every rank, and
+        # the gradient's collective is named after it (`backward_of`).
+        mark = mark_forward(raw)
+        received = tf.ensure_shape(shape_rows(raw, sum(recv)), out_shape)
 
         def grad(upstream):
             with backward_of(mark, process_set):
-                returned = exchange(upstream, recv, sum(send), _named("grad"))
-            return tf.ensure_shape(returned, in_shape)
+                raw_back, shape_back = exchange(upstream, recv, _named("grad"))
+            return tf.ensure_shape(shape_back(raw_back, sum(send)), in_shape)
 
         return received, grad
 

@@ -47,8 +47,6 @@ class SpatialGather(GlobalExtentsMixin, keras.layers.Identity):
         return strategy.gather(inputs, self.global_input_extents(inputs.shape[1:4], strategy.spatial_shape))
 
     def compute_output_spec(self, inputs):
-        strategy = active_spatial_strategy()
-        self.record_global_extents(inputs, strategy)
         return keras.KerasTensor(self.compute_output_shape(inputs.shape), dtype=inputs.dtype)
 
     def global_output_extents(self, extents):

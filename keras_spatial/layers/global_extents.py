@@ -9,7 +9,8 @@ local extent can come from two global ones (7 planes on the first of 2 shards: 1
 through the layers in between (each spatial layer says how it maps extents,
 `global_output_extents`; every other layer on a sharded volume acts voxel by voxel and
 keeps them). `GlobalExtentsMixin` records the answer when a spatial layer is called on
-a symbolic tensor (building a functional model), for its later calls on the shards.
+a symbolic tensor (building a functional model), for its build and its later calls on
+the shards.
 """
 
 from __future__ import annotations
@@ -72,19 +73,22 @@ def consistent(global_extents: Sequence[int], local_extents: Sequence[Optional[i
 class GlobalExtentsMixin:
     """For spatial layers: the global extents of each input they are called on.
 
-    `compute_output_spec` (called by Keras on symbolic inputs, before `call` ever sees a
-    shard) records the input's global extents by its local ones; `global_input_extents`
+    `__call__` on a symbolic input (building a functional model, before Keras builds the
+    layer and before `call` ever sees a shard) records the input's global extents by its
+    local ones; `global_input_extents`
     gives them back for a local shape. A layer called only on real tensors (never on a
     symbolic one) takes the global extent to be local x shards, which holds when the
     extents divide by the shards; with uneven shards, call spatial layers in a model
     built from `keras_spatial.Input`.
     """
 
-    def compute_output_spec(self, *args, **kwargs):
-        if args:
+    def __call__(self, *args, **kwargs):
+        # Before Keras builds the layer: a layer's build may already plan its output
+        # shape (Keras's convolutions validate it in `build`).
+        if args and getattr(args[0], "_keras_history", None) is not None:
             strategy = get_strategy()
             self.record_global_extents(args[0], strategy if strategy is not None and strategy.is_spatial else None)
-        return super().compute_output_spec(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def _recorded_extents(self) -> dict:
         recorded = self.__dict__.get("_ks_global_extents")

@@ -109,12 +109,13 @@ def check_arguments(
 def check_split(
     input_shape: Union[int, Sequence[int]], depth: int, spatial_shape: Sequence[int]
 ) -> None:
-    """Checks that a U-Net of `depth` poolings keeps equal shards on a spatial split.
+    """Checks that every shard of a U-Net of `depth` poolings holds at least one plane.
 
-    The extents halve at every pooling, so every layer divides evenly over the shards
-    exactly when the bottom extent, extent / 2**depth, does along every split axis.
-    `build_model` calls it under a spatial strategy; the layers would refuse such a
-    layout too, at build time, naming the first pooling that fails.
+    The extents halve at every pooling, so the smallest is the bottom one,
+    extent / 2**depth; it need not divide by the shards (uneven shards,
+    `keras_spatial.halo.split_bounds`), but it must be at least their number along every
+    split axis. `build_model` calls it under a spatial strategy; the layers would refuse
+    such a layout too, at build time, naming the first pooling that fails.
 
     Args:
         input_shape: as for `build_model`.
@@ -127,19 +128,20 @@ def check_split(
 
     Example:
     >>> check_split(16, 3, (2, 1, 1))   # bottom extent 2 over 2 shards: fine
+    >>> check_split(40, 3, (2, 1, 1))   # bottom extent 5 over 2 shards: 3 and 2 planes
     """
     shape = normalize_input_shape(input_shape)
     for axis, (extent, shards) in enumerate(zip(shape[:3], spatial_shape)):
         bottom = extent // POOL**depth
-        if bottom % shards:
+        if bottom < shards:
             fitting = 0
-            while extent % (shards * POOL ** (fitting + 1)) == 0:
+            while extent // POOL ** (fitting + 1) >= shards and extent % POOL ** (fitting + 1) == 0:
                 fitting += 1
             hint = f"Use depth <= {fitting}," if fitting else "No depth >= 1 fits; use"
             raise ValueError(
                 f"A U-Net of depth {depth} reduces the {('depth', 'height', 'width')[axis]} "
-                f"extent {extent} to {bottom} at its bottom, which cannot be split evenly "
-                f"over {shards} shards. {hint} a larger volume or a smaller split along "
+                f"extent {extent} to {bottom} at its bottom, fewer planes than its "
+                f"{shards} shards. {hint} a larger volume or a smaller split along "
                 f"that axis. Received: input_shape={shape}, depth={depth}, "
                 f"spatial_shape={tuple(spatial_shape)}"
             )
@@ -197,9 +199,8 @@ def build_model(
 
     Raises:
         ValueError: for a bad argument or an extent not divisible by 2**depth; under a
-            spatial strategy, also when a bottom extent (extent / 2**depth) is not
-            divisible by the split along its axis (see `check_split`), so that a layer
-            could not keep its shards equal.
+            spatial strategy, also when a bottom extent (extent / 2**depth) is smaller
+            than the split along its axis (see `check_split`).
 
     Example:
     ```python

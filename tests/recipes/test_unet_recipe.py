@@ -106,13 +106,20 @@ def test_bad_arguments_raise_clear_errors(kwargs, message):
         build_model(**kwargs)
 
 
-def test_spatial_split_must_divide_the_bottom_extent():
+def test_spatial_split_needs_a_plane_per_shard_at_the_bottom():
     check_split(16, 3, (2, 1, 1))  # 16 -> 2 at the bottom, 1 voxel per shard
     plan_for_mesh(lambda: build_model(16, depth=3, base_filters=2), (2, 1, 1))
-    with pytest.raises(ValueError, match=r"extent 16 to 1 at its bottom.*over 2 shards\. "
-                                         r"Use depth <= 3"):
+    # 40 -> 20 -> 10 -> 5: odd at the bottom, split 3 + 2 (uneven shards)
+    check_split(40, 3, (2, 1, 1))
+    rows = plan_for_mesh(lambda: build_model(40, depth=3, base_filters=2), (2, 1, 1), rank=1)
+    rows = {r["name"]: r for r in rows}
+    assert rows["down2_pool"]["local_shape"][0] == 2 and rows["down2_pool"]["halo"][0] == (-1, 0)
+    # rank 1's 5 up-sampled planes [5, 10) of 10 come from inputs [2, 5): one from rank 0
+    assert rows["up2_transpose"]["local_shape"][0] == 5 and rows["up2_transpose"]["halo"][0] == (1, 0)
+    with pytest.raises(ValueError, match=r"extent 16 to 1 at its bottom, fewer planes than its 2 "
+                                         r"shards\. Use depth <= 3"):
         check_split(16, 4, (2, 1, 1))
-    with pytest.raises(ValueError, match=r"height extent 32 to 4.*over 8 shards"):
+    with pytest.raises(ValueError, match=r"height extent 32 to 4.*than its 8 shards"):
         check_split((16, 32, 16, 1), 3, (1, 8, 1))
     # Without the recipe's check, the layers refuse the layout at build time too.
     with pytest.raises(ValueError, match="'down3_pool' cannot split its input or output over its shards along the depth"):

@@ -5,7 +5,15 @@ import itertools
 import numpy as np
 import pytest
 
-from keras_spatial.halo import ShardAlignmentError, Window, local_window_boundary, plan_axis, split_bounds
+from keras_spatial.halo import (
+    ShardAlignmentError,
+    Window,
+    local_window_boundary,
+    plan_axis,
+    plan_transposed_axis,
+    plan_upsampling_axis,
+    split_bounds,
+)
 
 
 def _global_window_op(signal, window: Window, fill=0.0):
@@ -202,3 +210,58 @@ def test_misaligned_local_pooling_is_refused():
     # each shard's own op, so shards line up; 'valid' with a crop at the start does not.
     assert local_window_boundary(plan_axis(18, 3, Window(2, 1, 1, "same")), 1) is not None
     assert local_window_boundary(plan_axis(16, 2, Window(3, 1, 1, "valid")), 1) is None
+
+
+def _transposed_1d(signal, kernel, stride, pad, out_extent):
+    """out[o] = sum of signal[i] * kernel[m] over i * stride + m = o + pad."""
+    out = np.zeros(out_extent)
+    for i, value in enumerate(signal):
+        for m, weight in enumerate(kernel):
+            o = i * stride + m - pad
+            if 0 <= o < out_extent:
+                out[o] += value * weight
+    return out
+
+
+@pytest.mark.parametrize("extent", [5, 7, 9, 13, 17])
+@pytest.mark.parametrize("shards", [2, 3, 4])
+def test_uneven_transposed_plan_gives_each_shard_its_outputs(extent, shards):
+    rng = np.random.default_rng(extent * 10 + shards)
+    for kernel, stride, padding, output_padding in itertools.product(
+            (1, 2, 3, 4), (1, 2, 3), ("valid", "same"), (None, 0, 1)):
+        if output_padding is not None and output_padding >= stride:
+            continue
+        plan = plan_transposed_axis(extent, shards, kernel, stride, padding, output_padding)
+        signal, weights = rng.standard_normal(extent), rng.standard_normal(kernel)
+        whole = _transposed_1d(signal, weights, stride, plan.pad_before, plan.output_extent)
+        pieces = []
+        for j in range(shards):
+            n0, n1 = plan.needed[j]
+            extended = np.array([signal[i] if 0 <= i < extent else 0.0 for i in range(n0, n1)])
+            raw = _transposed_1d(extended, weights, stride, 0, (n1 - n0 - 1) * stride + kernel + stride)
+            start, count = plan.output_start(j), plan.local_output_extent(j)
+            if start < 0:
+                raw, start = np.concatenate([np.zeros(-start), raw]), 0
+            pieces.append(raw[start:start + count])
+        np.testing.assert_allclose(np.concatenate(pieces), whole, rtol=1e-12, atol=1e-12,
+                                   err_msg=f"{kernel=} {stride=} {padding=} {output_padding=}")
+        assert [b - a for a, b in plan.outputs] == [len(p) for p in np.array_split(whole, shards)]
+
+
+@pytest.mark.parametrize("extent", [3, 5, 7, 8, 13])
+@pytest.mark.parametrize("shards", [2, 3])
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_upsampling_plan_gives_each_shard_its_outputs(extent, shards, size):
+    signal = np.arange(extent, dtype=float)
+    plan = plan_upsampling_axis(extent, shards, size)
+    pieces = []
+    for j in range(shards):
+        n0, n1 = plan.needed[j]
+        assert 0 <= n0 < n1 <= extent
+        repeated = np.repeat(signal[n0:n1], size)
+        start = plan.outputs[j][0] - n0 * size
+        pieces.append(repeated[start:start + plan.local_output_extent(j)])
+    np.testing.assert_array_equal(np.concatenate(pieces), np.repeat(signal, size))
+    assert (plan.needed == plan.owned) == (not plan.exchanges)
+    if extent % shards == 0:
+        assert plan.needed == plan.owned  # even shards repeat their own planes
