@@ -19,6 +19,7 @@ from tests.distributed.data_workers import ByteCounter
 NUM_SAMPLES = 8
 COSMO_SHAPE = (32, 32, 32, 2)  # (D, H, W, C); stored channels-first as (C, D, H, W)
 VOLUME_SHAPE = (32, 32, 32, 1)  # many samples per file, with a label volume (D, H, W)
+ODD_SHAPE = (9, 7, 7, 1)  # the same layout, extents that split unevenly (9 over 2: 5 + 4)
 
 
 def cosmo_sample(index):
@@ -30,10 +31,10 @@ def cosmo_label(index):
     return np.array([index, index + 0.5, -index, 1.0], np.float32)
 
 
-def volume_sample(index):
+def volume_sample(index, shape=VOLUME_SHAPE):
     rng = np.random.default_rng(100 + index)
-    x = rng.integers(-1000, 1000, VOLUME_SHAPE, dtype=np.int16)
-    y = rng.integers(0, 3, VOLUME_SHAPE[:3], dtype=np.int8)
+    x = rng.integers(-1000, 1000, shape, dtype=np.int16)
+    y = rng.integers(0, 3, shape[:3], dtype=np.int8)
     return x, y
 
 
@@ -56,7 +57,12 @@ def files(tmp_path_factory):
             f["grp/x"] = np.stack([x for x, _ in pairs])
             f["grp/y"] = np.stack([y for _, y in pairs])
         volumes.append(path)
-    return {"root": root, "cosmo": cosmo, "volumes": volumes}
+    odd = str(root / "odd.h5")
+    with h5py.File(odd, "w") as f:
+        pairs = [volume_sample(i, ODD_SHAPE) for i in range(NUM_SAMPLES)]
+        f["grp/x"] = np.stack([x for x, _ in pairs])
+        f["grp/y"] = np.stack([y for _, y in pairs])
+    return {"root": root, "cosmo": cosmo, "volumes": volumes, "odd": [odd]}
 
 
 def one_rank():
@@ -424,9 +430,9 @@ def _case(name, files, spatial_shape, batch_size, **overrides):
     return case
 
 
-def _volume_case(name, files, spatial_shape, batch_size, **overrides):
-    return _case(name, files, spatial_shape, batch_size, paths=files["volumes"], x="grp/x",
-                 y="grp/y", channels_first=False, y_dtype="int8", **overrides)
+def _volume_case(name, files, spatial_shape, batch_size, odd=False, **overrides):
+    return _case(name, files, spatial_shape, batch_size, paths=files["odd" if odd else "volumes"],
+                 x="grp/x", y="grp/y", channels_first=False, y_dtype="int8", odd=odd, **overrides)
 
 
 def _check_case(reports, case):
@@ -434,9 +440,10 @@ def _check_case(reports, case):
     reports = [r[case["name"]] for r in reports]
     mesh = ks.Mesh(world_size=len(reports), spatial_shape=case["spatial_shape"])
     volumes = case["x"] == "grp/x"
-    originals = [volume_sample(i) if volumes else (cosmo_sample(i), cosmo_label(i))
+    shape = ODD_SHAPE if case.get("odd") else VOLUME_SHAPE
+    originals = [volume_sample(i, shape) if volumes else (cosmo_sample(i), cosmo_label(i))
                  for i in range(NUM_SAMPLES)]
-    local = mesh.local_extents(originals[0][0].shape[:3])
+    extents = originals[0][0].shape[:3]
     augment = case.get("augment")
     seen = set()
     for epoch in range(case["epochs"]):
@@ -462,7 +469,7 @@ def _check_case(reports, case):
                 x_full = np.zeros_like(expected[0])
                 y_full = np.zeros_like(expected[1])
                 for report, xs, ys in zip(group, x_batches, y_batches):
-                    box = tuple(slice(c * n, (c + 1) * n) for c, n in zip(report["coords"], local))
+                    box = tuple(slice(a, b) for a, b in mesh.shard_bounds(extents, report["coords"]))
                     x_full[box] = xs[position]
                     if volumes:
                         y_full[box] = ys[position]
@@ -487,8 +494,10 @@ def _check_case(reports, case):
     per_read = [r["bytes_read"] / r["samples_read"] for r in reports]
     share = [b / sample_bytes for b in per_read]
     print(f"{case['name']}: bytes read per sample / sample bytes = {share}")
-    assert all(sample_bytes / mesh.spatial_size <= b <= sample_bytes / mesh.spatial_size + 8192
-               for b in per_read), (per_read, sample_bytes)
+    voxels = np.prod(extents)
+    for r, b in zip(reports, per_read):  # this rank's share of the voxels (uneven shards too)
+        mine = np.prod([b1 - b0 for b0, b1 in mesh.shard_bounds(extents, r["coords"])]) / voxels
+        assert sample_bytes * mine <= b <= sample_bytes * mine + 8192, (per_read, sample_bytes, mine)
     return share
 
 
@@ -503,7 +512,10 @@ def test_two_ranks_depth_split(files):
     augmented = [_case("cube_depth", files, (2, 1, 1), 2, augment="cube", epochs=3),
                  _case("cube_width", files, (1, 1, 2), 2, augment="cube", epochs=3),
                  _volume_case("volumes_cube_depth", files, (2, 1, 1), 2, augment="cube"),
-                 _volume_case("volumes_flips_width", files, (1, 1, 2), 2, augment="flips")]
+                 _volume_case("volumes_flips_width", files, (1, 1, 2), 2, augment="flips"),
+                 # uneven shards (9 = 5 + 4 in depth, 7 = 4 + 3 in width), flipped and permuted
+                 _volume_case("odd_depth", files, (2, 1, 1), 2, odd=True, augment="flips"),
+                 _volume_case("odd_width", files, (1, 1, 2), 2, odd=True)]
     fit = _case("fit", files, (2, 1, 1), 2, dtype="float32")
     reports = run_on_ranks(read_shards, 2, [split, disagree] + augmented, fit)
     _check_case(reports, split)
@@ -522,7 +534,7 @@ def test_four_ranks_spatial_and_hybrid(files, tmp_path):
     from tests.distributed.data_workers import read_shards
     from tests.distributed.launcher import run_on_ranks
 
-    odd = write(tmp_path / "odd.h5", x=np.zeros((4, 9, 8, 8, 1), np.int16), y=np.zeros((4, 2)))
+    thin = write(tmp_path / "thin.h5", x=np.zeros((4, 1, 8, 8, 1), np.int16), y=np.zeros((4, 2)))
     cases = [
         _case("height_width", files, (1, 2, 2), 2),
         _case("hybrid", files, (2, 1, 1), 4),
@@ -532,15 +544,16 @@ def test_four_ranks_spatial_and_hybrid(files, tmp_path):
         _case("cube_height_width", files, (1, 2, 2), 2, augment="cube", epochs=3),
         _volume_case("volumes_cube_hybrid", files, (2, 1, 1), 4, augment="cube"),
         _volume_case("volumes_cube_spatial", files, (1, 2, 2), 2, augment="cube"),
-        _case("odd", files, (2, 1, 1), 2, paths=[odd], x="x", y="y", channels_first=False),
+        _volume_case("odd_spatial", files, (1, 2, 2), 2, odd=True, augment="flips"),
+        _case("thin", files, (2, 1, 1), 2, paths=[thin], x="x", y="y", channels_first=False),
     ]
     reports = run_on_ranks(read_shards, 4, cases)
     for case in cases[:-1]:
         _check_case(reports, case)
     for report in reports:
-        assert "The depth extent 9 cannot be split evenly into 2 shards" in report["odd"]["error"]
-        assert "odd.h5" in report["odd"]["error"]
-        assert report["odd"]["error"].startswith("InvalidDataError")
+        assert "The depth extent 1 is smaller than its 2 shards" in report["thin"]["error"]
+        assert "thin.h5" in report["thin"]["error"]
+        assert report["thin"]["error"].startswith("InvalidDataError")
 
 
 @pytest.mark.distributed

@@ -17,7 +17,8 @@ SUITES = {
     2: [
         ((2, 1, 1), ["fit-voxel-adam", "fit-voxel-sgd-schedule", "fit-cosmoflow-adam", "fit-unet-adam",
                      "fit-cosmoflow-adam-buckets", "fit-cosmoflow-adam-sharded", "fit-unet-sgd-schedule-sharded",
-                     "fit-mlperf-sgd-schedule", "checkpoint", "early-stopping", "dropout-head"]),
+                     "fit-mlperf-sgd-schedule", "fit-cosmoflow-adam-odd", "fit-unet-adam-odd",
+                     "checkpoint", "early-stopping", "dropout-head"]),
         ((1, 1, 2), ["fit-voxel-adamw", "fit-mlperf-sgd-schedule"]),
     ],
     4: [
@@ -25,7 +26,7 @@ SUITES = {
                      "early-stopping", "dropout-head"]),  # 2 data groups x 2
         ((1, 2, 2), ["fit-cosmoflow-fused-adam", "fit-unet-sgd-schedule", "fit-mlperf-sgd-schedule",
                      "fit-unet-adam-buckets", "fit-unet-adam-buckets-sharded", "fit-cosmoflow-adam-sharded",
-                     "checkpoint"]),
+                     "fit-cosmoflow-adam-odd", "fit-unet-sgd-schedule-odd", "checkpoint"]),
     ],
 }
 
