@@ -112,7 +112,7 @@ def _halo_exchange_fn(strategy, model, seed: int):
     from keras_spatial.ops.halo_convolution import boundary_plane_axis
     from keras_spatial.ops.halo_pooling import in_place_layout
     from keras_spatial.layers.spatial_window import SpatialWindowMixin
-    from keras_spatial.ops.halo_exchange import exchange_axis, extend_to_halo
+    from keras_spatial.ops.halo_exchange import exchange_axis, extend_to_halo, flat_exchange
 
     rng = np.random.default_rng(seed)
     # layers: (plans, fill value or, for an in-place pool, its exchanging axis, whether only
@@ -129,7 +129,7 @@ def _halo_exchange_fn(strategy, model, seed: int):
             in_place = in_place_layout(plans, strategy.coords, "max" if is_max else "average")
         elif isinstance(layer, SpatialConv3D):
             axis = boundary_plane_axis(plans, layer.kernel_size, layer.strides, layer.dilation_rate,
-                                        layer.padding, layer.groups, shape[1:4])
+                                        layer.padding, layer.groups)
             if axis is not None:  # convolved where it lies: only the planes are exchanged
                 layers.append((plans, axis, True, True))
                 upstream.append(None)
@@ -139,13 +139,14 @@ def _halo_exchange_fn(strategy, model, seed: int):
             axis = in_place[0]
             if axis is None:  # pooled where it lies, nothing exchanged
                 continue
-            shape = (1,) + tuple(shape[1 + b] if b == axis else plans[b].local_output_extent
+            coords = strategy.coords
+            shape = (1,) + tuple(shape[1 + b] if b == axis else plans[b].local_output_extent(coords[b])
                                  for b in range(3)) + (shape[-1],)
             layers.append((plans, axis, True, True))
             upstream.append(None)
         else:
             fill = float("-inf") if is_max else 0.0
-            extended = (1,) + tuple(p.extended_extent for p in plans) + (shape[-1],)
+            extended = (1,) + tuple(p.extended_extent(c) for p, c in zip(plans, strategy.coords)) + (shape[-1],)
             layers.append((plans, fill, False, any(p.exchanges for p in plans)))
             upstream.append(tf.constant(rng.standard_normal(extended).astype("float32")))
         inputs.append(tf.constant(rng.standard_normal(shape).astype("float32")))
@@ -162,7 +163,8 @@ def _halo_exchange_fn(strategy, model, seed: int):
             return extend_to_halo(x, plans, strategy.mesh, strategy.coords,
                                   strategy.spatial_process_set, fill_value=extra, name=name)
         before, after = exchange_axis(x, extra, plans[extra], strategy.mesh, strategy.coords,
-                                      strategy.spatial_process_set, name=name)
+                                      strategy.spatial_process_set, name=name,
+                                      flatten=flat_exchange(plans))
         return tf.concat(before + after, axis=extra + 1)
 
     def after(token, t):

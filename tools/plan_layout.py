@@ -2,8 +2,8 @@
 
 Per layer: type, global and local output shape, halo widths per axis for the rank's
 shard, and activation memory; exits with status 1 and the layer's error message when the
-mesh cannot keep the shards aligned. With --hardware, the predicted time and memory of
-every layer follow (`keras_spatial.cost_model`). With --auto, the fastest layout of
+mesh cannot split the model (an extent, at some layer, smaller than its shards). With
+--hardware, the predicted time and memory of every layer follow (`keras_spatial.cost_model`). With --auto, the fastest layout of
 --world-size ranks that fits --memory-limit per rank on --hardware is chosen
 (`keras_spatial.cost_model.auto_layout`), printed with why, and its plan shown.
 

@@ -328,7 +328,7 @@ def build_model(
 
     Raises:
         ValueError: for an unknown variant or an out-of-range argument; under a spatial
-            strategy, also when the mesh cannot keep every layer's shards aligned
+            strategy, also when some layer's extent is smaller than its shards
             (see `keras_spatial.plan.plan_for_mesh` to check a mesh beforehand).
 
     Example:

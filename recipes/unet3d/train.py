@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_data_arguments(parser, FILE_PATTERN)
     parser.add_argument("--depth", type=cli.positive_int("--depth"), default=3,
                         help="number of 2x poolings (default 3, the paper's); every extent must "
-                             "be divisible by 2**depth, and the bottom extent by the split")
+                             "be divisible by 2**depth, and the bottom extent at least the split")
     parser.add_argument("--base-filters", type=cli.positive_int("--base-filters"), default=32,
                         help="filters of the first convolution, doubled per level (default 32, "
                              "the paper's)")

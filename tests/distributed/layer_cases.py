@@ -20,6 +20,7 @@ class Case:
     channels: int = 2
     batch: int = 1
     seed: int = 0
+    starts: tuple = (10, 9, 8)  # smallest global extents tried (`choose_extents`)
 
     @property
     def options(self) -> dict[str, Any]:
@@ -79,6 +80,25 @@ def pool_grid() -> list[Case]:
     return cases
 
 
+def prime_cases() -> list[Case]:
+    """A few layers on prime extents (13, 17, 11) and on a 155 x 240 x 240 MRI-like
+    volume scaled down by 5 (31 x 48 x 48): uneven shards on every mesh that splits
+    them."""
+    cases = []
+    for starts, tag in (((13, 17, 11), "prime"), ((31, 48, 48), "mri")):
+        cases += [
+            dataclasses.replace(make_case(f"{tag}-conv-k3-same", "conv", filters=2, kernel_size=3,
+                                          padding="same", seed=300), starts=starts),
+            dataclasses.replace(make_case(f"{tag}-conv-k2-s2-valid", "conv", filters=2, kernel_size=2,
+                                          strides=2, seed=301), starts=starts),
+            dataclasses.replace(make_case(f"{tag}-max-p3-s2-same", "max", pool_size=3, strides=2,
+                                          padding="same", seed=302), starts=starts),
+            dataclasses.replace(make_case(f"{tag}-avg-p2-s1-valid", "avg", pool_size=2, strides=1,
+                                          padding="valid", seed=303), starts=starts),
+        ]
+    return cases
+
+
 def random_cases(seed: int, count: int) -> list[Case]:
     """Seeded random configurations drawn from the supported space."""
     rng = random.Random(seed)
@@ -105,16 +125,17 @@ def random_cases(seed: int, count: int) -> list[Case]:
     return cases
 
 
-def choose_extents(case: Case, spatial_shape, starts=(10, 9, 8)):
-    """The smallest global extents >= `starts` that `spatial_shape` can split for `case`.
+def choose_extents(case: Case, spatial_shape, starts=None):
+    """The smallest global extents >= `starts` (default `case.starts`) that
+    `spatial_shape` can split for `case`.
 
-    Returns (extents, servable). Where no extent serves an axis (e.g. an even kernel,
-    stride 1, 'valid' on a split axis: O = E - 1 is odd whenever E is even), that axis
-    gets the smallest extent divisible by its shards and servable is False: the layer
-    must then refuse the layout at build time.
+    Returns (extents, servable). Any extent with at least one input and one output plane
+    per shard serves (uneven shards split as `keras_spatial.halo.split_bounds`). Where
+    none in 64 does, that axis gets the smallest extent divisible by its shards and
+    servable is False: the layer must then refuse the layout at build time.
     """
     extents, servable = [], True
-    for window, shards, start in zip(case.windows(), spatial_shape, starts):
+    for window, shards, start in zip(case.windows(), spatial_shape, starts or case.starts):
         for extent in range(start, start + 64):
             try:
                 plan_axis(extent, shards, window)

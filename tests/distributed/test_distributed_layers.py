@@ -13,7 +13,7 @@ import pytest
 
 from tests.comparison import failures
 from tests.distributed.launcher import horovod_or_skip, run_on_ranks
-from tests.distributed.layer_cases import conv_grid, pool_grid, random_cases
+from tests.distributed.layer_cases import conv_grid, pool_grid, prime_cases, random_cases
 from tests.distributed.layer_workers import run_suite
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -35,7 +35,10 @@ def cases_for(np_, shape):
         # 2 data groups of the 2-way depth split that 2 ranks test with the whole grid:
         # a quarter of the grid checks that the data groups keep their samples apart.
         return GRID[::4] + random_cases(seed=211, count=2)
-    return GRID + random_cases(seed=100 * shape[0] + 10 * shape[1] + shape[2], count=6)
+    cases = GRID + random_cases(seed=100 * shape[0] + 10 * shape[1] + shape[2], count=6)
+    if shape in ((1, 2, 1), (2, 2, 1), (1, 2, 2)):
+        cases += prime_cases()  # uneven on every split axis
+    return cases
 
 
 @pytest.fixture(scope="session")

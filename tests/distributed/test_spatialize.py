@@ -104,9 +104,10 @@ def test_nested_models_and_subclassed_models_are_refused():
         ks.spatialize(Custom())
 
 
-def test_misaligned_layout_is_refused_before_building_for_the_rank():
-    """plan_for_mesh's arithmetic applies to the converted model (a 2-way split of the
-    depth 6 after a 2-pool of 12... at 3 per shard a further 2-pool cannot split)."""
+def test_unsplittable_layout_is_refused_before_building_for_the_rank():
+    """plan_for_mesh's arithmetic applies to the converted model: 12 -> 6 -> 3 planes
+    split 4 ways unevenly (2, 1, 0 ...): the second pool leaves fewer planes than shards.
+    A 2-way split (6 = 3 + 3, then 3 = 2 + 1) is served."""
     from keras_spatial.spatialize import _check_sharded_layers, _spatial_config
 
     x = keras.Input((12, 8, 8, 1))
@@ -114,8 +115,9 @@ def test_misaligned_layout_is_refused_before_building_for_the_rank():
     plain = keras.Model(x, y)
     spatial_global = ks.spatialize(plain)
     assert _spatial_config(plain)["layers"][1]["class_name"] == "SpatialMaxPooling3D"
+    _check_sharded_layers(plain, spatial_global, (2, 1, 1))
     with pytest.raises(ValueError, match="cannot split its input or output over its shards"):
-        _check_sharded_layers(plain, spatial_global, (2, 1, 1))
+        _check_sharded_layers(plain, spatial_global, (4, 1, 1))
 
 
 @pytest.mark.distributed
