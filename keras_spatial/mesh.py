@@ -152,6 +152,11 @@ class Mesh:
         """
         return tuple(stop - start for start, stop in self.shard_bounds(global_extents, coords))
 
+    def splits_evenly(self, global_extents: Sequence[int]) -> bool:
+        """Whether every extent of the (D, H, W) volume divides by its shards (all shards
+        then have the same extents)."""
+        return all(extent % shards == 0 for extent, shards in zip(global_extents, self.spatial_shape))
+
     def shard_bounds(self, global_extents: Sequence[int],
                      coords: Optional[Sequence[int]] = None) -> tuple[tuple[int, int], ...]:
         """The global intervals [start, stop) along D, H and W of the shard at `coords`

@@ -1,9 +1,9 @@
 """Global 3D pooling over a volume split across the ranks of a spatial group."""
 
+import math
+
 import keras
 from keras import ops
-
-import math
 
 from keras_spatial.layers.global_extents import GlobalExtentsMixin
 from keras_spatial.layers.spatial_window import active_spatial_strategy, check_channels_last
@@ -63,8 +63,8 @@ class SpatialGlobalAveragePooling3D(GlobalExtentsMixin, keras.layers.GlobalAvera
         local = tuple(inputs.shape[1:4])
         extents = self.global_input_extents(local, strategy.spatial_shape)
         fraction = None
-        if tuple(n * s for n, s in zip(local, strategy.spatial_shape)) != tuple(extents):
-            fraction = math.prod(local) / math.prod(extents)  # uneven shards
+        if not strategy.mesh.splits_evenly(extents):
+            fraction = math.prod(local) / math.prod(extents)
         pooled = global_mean(inputs, strategy.spatial_process_set, fraction)
         return _keep_or_drop_dims(pooled, self.keepdims)
 

@@ -29,8 +29,7 @@ def gather_volume(x: tf.Tensor, strategy, name: str = "ks_gather", global_extent
     global_extents = tuple(int(e) for e in global_extents)
     mesh = strategy.mesh
     mine = mesh.shard_bounds(global_extents, strategy.coords)
-    even = global_extents == (sd * d, sh * h, sw * w) and all(
-        e % s == 0 for e, s in zip(global_extents, strategy.spatial_shape))
+    even = mesh.splits_evenly(global_extents)
 
     def assemble(stacked, batch):
         if even:
