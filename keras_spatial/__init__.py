@@ -7,6 +7,7 @@ between neighbours make every layer compute exactly what it would on the whole v
 from keras_spatial import callbacks
 from keras_spatial import data
 from keras_spatial import layers
+from keras_spatial.batch_norm_statistics import recompute_batch_norm_statistics
 from keras_spatial.conversion import to_keras_model
 from keras_spatial.errors import SpatialNotSupportedError
 from keras_spatial.fused_adam import FusedAdam
@@ -30,6 +31,7 @@ __all__ = [
     "SpatialStrategy",
     "get_strategy",
     "layers",
+    "recompute_batch_norm_statistics",
     "spatialize",
     "to_keras_model",
 ]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import numbers
+import time
 
 import keras
 import numpy as np
 
+from keras_spatial.batch_norm_statistics import batch_norm_layers, recompute_batch_norm_statistics
+from keras_spatial.context import get_strategy
 from keras_spatial.optimizer import DistributedOptimizer
 from keras_spatial.plan import replicated_layers
 
@@ -143,6 +146,87 @@ class ReplicatedLayerSync(keras.callbacks.Callback):
             size = int(np.prod(state.shape))
             state.assign(chosen[offset:offset + size].reshape(state.shape).astype(state.dtype))
             offset += size
+
+
+class RecomputeBatchNormStatistics(keras.callbacks.Callback):
+    """Recompute batch normalization's moving statistics before the last validation.
+
+    At the end of the last epoch of `fit` (or of every epoch with `every_epoch=True`),
+    before its validation, replaces the moving statistics of every batch normalization
+    by the average batch statistics of the final weights over `dataset`
+    (`keras_spatial.recompute_batch_norm_statistics`, "precise BN"). The validation
+    metrics, `History`, and a `ModelCheckpoint` after this callback then see the model
+    as it will be used for inference. Without validation data it runs in `on_epoch_end`:
+    put it before `ModelCheckpoint` in the list.
+
+    Args:
+        dataset: batches of training data for the pass, a dataset of its OWN (not the
+            one `fit` iterates; e.g. `strategy.distribute_dataset(files, batch_size,
+            shuffle=False)`).
+        steps: batches per pass. Defaults to all of the dataset.
+        every_epoch: recompute after every epoch, not only the last (costs a forward
+            pass of `steps` batches each epoch). Defaults to False.
+        verbose: 1 prints one line per pass on rank 0. Defaults to 1.
+
+    Raises:
+        ValueError: (at the start of `fit`) if the model has no trainable batch
+            normalization, or `steps` is not a positive integer.
+
+    Example:
+    ```python
+    stats_ds = strategy.distribute_dataset(train_files, batch_size=4, shuffle=False)
+    model.fit(train_ds, validation_data=val_ds, epochs=16, callbacks=strategy.callbacks(
+        keras_spatial.callbacks.RecomputeBatchNormStatistics(stats_ds),
+        keras.callbacks.ModelCheckpoint("model.keras")))
+    ```
+    """
+
+    def __init__(self, dataset, steps=None, every_epoch: bool = False, verbose: int = 1):
+        super().__init__()
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, numbers.Integral)
+                                  or steps < 1):
+            raise ValueError(f"`steps` must be a positive integer or None. Received: steps={steps!r}")
+        self.dataset = dataset
+        self.steps = steps
+        self.every_epoch = bool(every_epoch)
+        self.verbose = verbose
+        self._fitting = False
+        self._epoch = None
+        self._done = True
+
+    def on_train_begin(self, logs=None):
+        if not batch_norm_layers(self.model):
+            raise ValueError(
+                "RecomputeBatchNormStatistics: the model has no trainable BatchNormalization "
+                f"layer. Received: model={self.model.name!r}"
+            )
+        self._fitting = True
+
+    def on_train_end(self, logs=None):
+        self._fitting = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        last = self.params.get("epochs") if self.params else None
+        self._done = not (self.every_epoch or last is None or epoch == last - 1)
+
+    def on_test_begin(self, logs=None):
+        # `fit` runs its validation through `evaluate`, which calls this first.
+        if self._fitting and not self._done:
+            self._recompute()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not self._done:  # no validation this epoch
+            self._recompute()
+
+    def _recompute(self) -> None:
+        start = time.perf_counter()
+        used = recompute_batch_norm_statistics(self.model, self.dataset, self.steps)
+        self._done = True
+        strategy = get_strategy()
+        if self.verbose and (strategy is None or strategy.rank == 0):
+            print(f"RecomputeBatchNormStatistics: epoch {self._epoch + 1}, moving statistics "
+                  f"from {used} batches ({time.perf_counter() - start:.1f} s)", flush=True)
 
 
 def _is_number(value) -> bool:

@@ -114,7 +114,8 @@ def choose_layout(global_model, batch_size: int, hardware: Optional[str],
     return choice.spatial_shape, choice.variant
 
 
-def fit(model, strategy, train_ds, val_ds, epochs: int, model_path: str) -> tuple[dict, list, float]:
+def fit(model, strategy, train_ds, val_ds, epochs: int, model_path: str,
+        callbacks=()) -> tuple[dict, list, float]:
     """Trains `model` on every rank, saving it to `model_path` after every epoch.
 
     Args:
@@ -124,6 +125,8 @@ def fit(model, strategy, train_ds, val_ds, epochs: int, model_path: str) -> tupl
         val_ds: the validation dataset, evaluated after every epoch.
         epochs: the number of epochs.
         model_path: the `.keras` file written (by rank 0) after every epoch.
+        callbacks: more callbacks, run before the checkpoint (e.g.
+            `keras_spatial.callbacks.RecomputeBatchNormStatistics`). Defaults to none.
 
     Returns:
         (history, epoch_seconds, fit_seconds): the Keras history as lists of floats,
@@ -148,7 +151,7 @@ def fit(model, strategy, train_ds, val_ds, epochs: int, model_path: str) -> tupl
         validation_data=val_ds,
         epochs=epochs,
         shuffle=False,
-        callbacks=strategy.callbacks(keras.callbacks.ModelCheckpoint(model_path)) + [_Timer()],
+        callbacks=strategy.callbacks(*callbacks, keras.callbacks.ModelCheckpoint(model_path)) + [_Timer()],
         verbose=2 if strategy.rank == 0 else 0,
     )
     fit_seconds = time.perf_counter() - start

@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "'flips': the 8 reflections), read shard by shard; default none")
     parser.add_argument("--batch-norm", action="store_true",
                         help="batch normalization after every convolution (global statistics)")
+    parser.add_argument("--recompute-bn-statistics", action="store_true",
+                        help="with --batch-norm: before the last validation, replace the moving "
+                             "statistics by the average batch statistics of the final weights "
+                             "over the training universes (keras_spatial.callbacks."
+                             "RecomputeBatchNormStatistics; docs/cosmoflow_claim.md)")
     parser.add_argument("--dropout", type=cli.rate("--dropout"), default=None,
                         help="dropout rate of the dense head (default: the variant's, 0.2 for "
                              "'paper', 0.5 for 'mlperf'). The head is replicated on the ranks of "
@@ -209,6 +214,9 @@ def run(args: argparse.Namespace) -> dict:
         )
     size = shape[0]
     dropout, gather_before_block = model_options(args)
+    if args.recompute_bn_statistics and not (args.batch_norm or args.head == "gap-bn"):
+        raise cli.BadArgument("--recompute-bn-statistics needs batch normalization "
+                              "(--batch-norm or --head gap-bn)")
     input_mean = input_std = input_whitening = None
     if args.whiten:
         if not args.standardize:
@@ -277,7 +285,14 @@ def run(args: argparse.Namespace) -> dict:
     strategy.barrier()
 
     model_path = os.path.join(out, "model.keras")
-    hist, epoch_times, fit_seconds = training.fit(model, strategy, train_ds, val_ds, args.epochs, model_path)
+    extra_callbacks = []
+    if args.recompute_bn_statistics:
+        # A dataset of its own: iterating train_ds would move its epoch counter on.
+        stats_ds = strategy.distribute_dataset(train_files, batch_size=args.batch_size, shuffle=False,
+                                               drop_remainder=True)
+        extra_callbacks.append(ks.callbacks.RecomputeBatchNormStatistics(stats_ds))
+    hist, epoch_times, fit_seconds = training.fit(model, strategy, train_ds, val_ds, args.epochs, model_path,
+                                                  callbacks=extra_callbacks)
     strategy.barrier()
 
     summary = {}
@@ -303,6 +318,7 @@ def run(args: argparse.Namespace) -> dict:
             "data": os.path.abspath(data_dir), "size": size, "crop": args.crop,
             "input_mean": input_mean, "input_std": input_std, "input_whitening": input_whitening, "variant": args.variant,
             "dropout": dropout, "batch_norm": args.batch_norm, "head": args.head,
+            "recompute_bn_statistics": args.recompute_bn_statistics,
             "schedule": args.schedule, "optimizer": optimizer_text, "augment": augment,
             "gather_before_block": gather_before_block,
             **training.run_config(args, strategy, val_batch, train_paths, val_paths, model),

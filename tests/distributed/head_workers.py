@@ -299,6 +299,51 @@ def check_end_to_end(strategy) -> dict:
     return result
 
 
+def check_recomputed_statistics(strategy) -> dict:
+    """`recompute_batch_norm_statistics` over two global batches of local shards against
+    the same function on the serial twin over the whole batches: conv -> BN -> relu ->
+    conv -> BN -> global average -> Dense (the second BN sees the first's
+    training-mode normalization)."""
+    import keras
+    import tensorflow as tf
+
+    import keras_spatial as ks
+    from keras_spatial.layers.global_pooling import SpatialGlobalAveragePooling3D
+    from keras_spatial.layers.normalization import SpatialBatchNormalization
+
+    keras.utils.set_random_seed(23)
+    global_shape = (*EXTENTS, 2)
+    with strategy.scope():
+        inputs = ks.Input(global_shape)
+        y = ks.layers.SpatialConv3D(3, 3, padding="same", name="conv1")(inputs)
+        y = SpatialBatchNormalization(momentum=0.9, name="bn1")(y)
+        y = keras.layers.Activation("relu")(y)
+        y = ks.layers.SpatialConv3D(2, 3, padding="same", name="conv2")(y)
+        y = SpatialBatchNormalization(momentum=0.8, epsilon=1e-2, name="bn2")(y)
+        y = SpatialGlobalAveragePooling3D(name="pool")(y)
+        model = keras.Model(inputs, keras.layers.Dense(2, name="dense")(y))
+    rng = np.random.default_rng(9)
+    for layer in model.layers:  # gamma and beta away from 1 and 0
+        if isinstance(layer, SpatialBatchNormalization):
+            layer.gamma.assign(rng.uniform(0.5, 2.0, layer.gamma.shape).astype("float32"))
+            layer.beta.assign(rng.standard_normal(layer.beta.shape).astype("float32"))
+    twin = ks.to_keras_model(model)
+    batches = [2.0 + 3.0 * rng.standard_normal((BATCH_PER_GROUP * strategy.data_size, *global_shape))
+               .astype("float32") for _ in range(2)]
+    serial = tf.data.Dataset.from_tensor_slices(np.stack(batches))
+    local = tf.data.Dataset.from_tensor_slices(
+        np.stack([strategy.shard(b, split_batch=True) for b in batches]))
+    used_serial = ks.recompute_batch_norm_statistics(twin, serial)
+    used = ks.recompute_batch_norm_statistics(model, local)
+    result = {"batches": [used, used_serial],
+              "momenta": [layer.momentum for layer in model.layers
+                          if isinstance(layer, SpatialBatchNormalization)]}
+    for variable, v_ref in zip(model.non_trainable_weights, twin.non_trainable_weights):
+        result[f"state_{variable.path}"] = excess(variable.numpy(), v_ref.numpy())
+    result["moving_values"] = np.concatenate([v.numpy().ravel() for v in model.non_trainable_weights]).tolist()
+    return result
+
+
 def run_head_suite(meshes, eager_mesh=None, end_to_end=False) -> dict:
     """The checks named for each mesh in `meshes`, a list of (spatial_shape, case names);
     all in graph mode, and again in eager mode on `eager_mesh`; the end-to-end model on
@@ -319,6 +364,7 @@ def run_head_suite(meshes, eager_mesh=None, end_to_end=False) -> dict:
                 results[(tuple(spatial_shape), case, graph)] = check(strategy, case, graph)
     if end_to_end:
         results["end_to_end"] = check_end_to_end(strategy)
+        results["recompute"] = check_recomputed_statistics(strategy)
     # No rank may leave (and shut Horovod down) while another is still communicating.
     strategy.barrier()
     return results

@@ -82,3 +82,15 @@ def test_end_to_end_head_gradients_match_the_serial_model(head_suites, np_):
         assert len([k for k in e2e if k.startswith("grad_")]) == 5  # conv kernel, bn, dense
         assert len([k for k in e2e if k.startswith("state_")]) == 2
         assert not _failures(e2e), f"rank {rank}: {_failures(e2e)}"
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_recomputed_batch_norm_statistics_match_the_serial_model(head_suites, np_):
+    per_rank = [r["recompute"] for r in head_suites(np_)]
+    for rank, r in enumerate(per_rank):
+        assert r["batches"] == [2, 2]
+        assert r["momenta"] == [0.9, 0.8], "the layers' momentum must be restored"
+        assert len([k for k in r if k.startswith("state_")]) == 4  # 2 x (mean, variance)
+        assert not _failures(r), f"rank {rank}: {_failures(r)}"
+    values = [r["moving_values"] for r in per_rank]
+    assert all(v == values[0] for v in values), "moving statistics differ between ranks"

@@ -33,11 +33,12 @@ def test_train_on_two_ranks_then_load_in_one_process(tmp_path):
         [horovodrun, "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m",
          "recipes.cosmoflow.train", "--data", str(data), "--spatial", "2,1,1", "--batch-size", "2",
          "--epochs", "1", "--size", "32", "--variant", "paper", "--out", str(out),
-         "--validation-fraction", "0.34"],
+         "--validation-fraction", "0.34", "--batch-norm", "--recompute-bn-statistics"],
         cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "final validation MSE" in result.stdout
+    assert "RecomputeBatchNormStatistics: epoch 1, moving statistics from 2 batches" in result.stdout
     for name in ("model.keras", "history.json", "loss.png"):
         assert (out / name).is_file(), name
     record = json.loads((out / "history.json").read_text())
@@ -97,6 +98,8 @@ def test_bad_arguments_fail_clearly(tmp_path):
     assert result.returncode != 0 and "--crop 48 is larger than the universes" in result.stderr, result.stderr
     result = train("--data", str(data), "--whiten", "--no-standardize", "--batch-size", "1", "--epochs", "1")
     assert result.returncode != 0 and "--whiten replaces the standardization" in result.stderr, result.stderr
+    result = train("--data", str(data), "--recompute-bn-statistics", "--batch-size", "1", "--epochs", "1")
+    assert result.returncode != 0 and "needs batch normalization" in result.stderr, result.stderr
 
 
 def test_input_statistics_are_per_channel_moments(tmp_path):
