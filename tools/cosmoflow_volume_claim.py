@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seed of the trainings' initial weights, shuffling and augmentation "
                              "(recipes.cosmoflow.train --seed; default 0). The universes and their "
                              "training/validation split do not depend on it")
+    parser.add_argument("--recompute-bn-statistics", action=argparse.BooleanOptionalAction, default=None,
+                        help="before predicting, replace each trained model's batch-norm moving "
+                             "statistics by the average batch statistics of its final weights "
+                             "over the training crops, in batches of --batch-size "
+                             "(keras_spatial.recompute_batch_norm_statistics); both results are "
+                             "reported (default: on with --batch-norm, which it needs)")
     parser.add_argument("--reuse-trained", action="store_true",
                         help="keep a crop's finished run (DIR/cropC/history.json with these "
                              "epochs) instead of training it again, e.g. after an interruption")
@@ -113,25 +119,48 @@ def train(args, data: str, crop: int, out: str, env: dict) -> float:
     return time.perf_counter() - start
 
 
-def predict_validation(model_path: str, paths, crop: int):
+def _read_crops(paths, crop: int):
     import h5py
+    import numpy as np
+
+    batch = []
+    for path in paths:
+        with h5py.File(path, "r") as f:
+            batch.append(np.log1p(f["full"][:crop, :crop, :crop].astype(np.float32)))
+    return np.stack(batch)
+
+
+def predict_validation(model_path: str, paths, crop: int, recompute_from=None, batch_size: int = 4):
+    """Predictions of the saved model for the crops of `paths`: {"moving": ...} with its
+    moving batch-norm statistics and, with `recompute_from` (training files), also
+    {"recomputed": ...} after `keras_spatial.recompute_batch_norm_statistics` over their
+    crops in batches of `batch_size` (the last partial batch left out, as in training)."""
     import keras
     import numpy as np
 
-    import keras_spatial  # noqa: F401  (registers the spatial classes)
+    import keras_spatial
 
     model = keras.saving.load_model(model_path, compile=False)
-    predictions = []
-    for start in range(0, len(paths), 8):
-        batch = []
-        for path in paths[start:start + 8]:
-            with h5py.File(path, "r") as f:
-                batch.append(np.log1p(f["full"][:crop, :crop, :crop].astype(np.float32)))
-        predictions.append(model.predict(np.stack(batch), verbose=0))
-    return np.concatenate(predictions)
+
+    def predict():
+        return np.concatenate([model.predict(_read_crops(paths[start:start + 8], crop), verbose=0)
+                               for start in range(0, len(paths), 8)])
+
+    predictions = {"moving": predict()}
+    if recompute_from is not None:
+        full = len(recompute_from) // batch_size * batch_size
+        batches = (_read_crops(recompute_from[start:start + batch_size], crop)
+                   for start in range(0, full, batch_size))
+        started = time.perf_counter()
+        used = keras_spatial.recompute_batch_norm_statistics(model, batches)
+        print(f"  {crop}^3: batch-norm statistics recomputed from {used} batches of {batch_size} "
+              f"({time.perf_counter() - started:.0f} s)", flush=True)
+        predictions["recomputed"] = predict()
+    return predictions
 
 
-ESTIMATOR_LABELS = {"cnn": "CNN", "summary_fit": "summary-stats fit",
+ESTIMATOR_LABELS = {"cnn": "CNN", "cnn_moving_statistics": "CNN, moving BN statistics",
+                    "summary_fit": "summary-stats fit",
                     "power_spectrum_fit": "power-spectrum fit"}
 JSON_NAMES = ("omega_m", "sigma_8", "n_s", "h")
 
@@ -157,7 +186,10 @@ def _plot(rows, histories, path: str) -> None:
     axes[0].grid(alpha=0.3)
     crops = [row["crop"] for row in rows]
     for ax, parameter in zip(axes[1:], (0, 1)):
-        for name, style in (("cnn", "o-"), ("summary_fit", "s--"), ("power_spectrum_fit", "^--")):
+        for name, style in (("cnn", "o-"), ("cnn_moving_statistics", "o:"), ("summary_fit", "s--"),
+                            ("power_spectrum_fit", "^--")):
+            if name not in rows[0]["mse"]:
+                continue
             ax.plot(crops, [row["mse"][name][parameter] for row in rows], style,
                     label=ESTIMATOR_LABELS[name])
         ax.axhline(rows[0]["baseline"][parameter], color="gray", ls=":", label="mean label")
@@ -175,7 +207,12 @@ def _plot(rows, histories, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.recompute_bn_statistics is None:
+        args.recompute_bn_statistics = args.batch_norm
+    elif args.recompute_bn_statistics and not args.batch_norm:
+        parser.error("--recompute-bn-statistics needs --batch-norm")
     env = job_environment()
     os.environ.update({k: env[k] for k in ("TF_CPP_MIN_LOG_LEVEL",)})
     data = os.path.join(args.dir, "universes")
@@ -227,8 +264,13 @@ def main(argv=None) -> int:
     baseline = ((val_y - train_y.mean(axis=0)) ** 2).mean(axis=0)
     rows = []
     for crop in args.crops:
-        predicted = predict_validation(os.path.join(args.dir, f"crop{crop}", "model.keras"), val_paths, crop)
-        mse = {"cnn": ((predicted - val_y) ** 2).mean(axis=0)}
+        predicted = predict_validation(
+            os.path.join(args.dir, f"crop{crop}", "model.keras"), val_paths, crop,
+            recompute_from=train_paths if args.recompute_bn_statistics else None,
+            batch_size=args.batch_size)
+        mse = {"cnn": ((predicted.get("recomputed", predicted["moving"]) - val_y) ** 2).mean(axis=0)}
+        if "recomputed" in predicted:
+            mse["cnn_moving_statistics"] = ((predicted["moving"] - val_y) ** 2).mean(axis=0)
         mse.update(reference_scores(train_features[crop], train_y, val_features[crop], val_y))
         single = single_channel_scores(train_features[crop], train_y, val_features[crop], val_y)
         logged = histories[crop]["val_loss"][-1]
@@ -290,6 +332,8 @@ def _report(args, argv, rows, baseline, train_files, val_files, wall_minutes, wr
             reference_seconds, doc_png, reused=()) -> list:
     """The markdown table of the run (the analysis below it is written by hand)."""
     names = ("cnn", "summary_fit", "power_spectrum_fit")
+    if args.recompute_bn_statistics:
+        names = ("cnn", "cnn_moving_statistics") + names[1:]
     lines = [
         "# CosmoFlow on larger volumes: the paper's claim in small",
         "",
@@ -309,7 +353,11 @@ def _report(args, argv, rows, baseline, train_files, val_files, wall_minutes, wr
         f"paper's CosmoFlow trunk{' (batch normalization after every convolution)' if args.batch_norm else ''} with the input " + ("whitening" if args.whiten else "standardization") + " of `recipes.cosmoflow.train`; "
         "the crops are the corner C^3 of each universe. Validation MSE per parameter, each "
         "scaled to [-1, 1] (a uniform label has variance 1/3); the CNN from the saved "
-        "model.keras loaded in one process:",
+        "model.keras loaded in one process"
+        + (", its batch-norm moving statistics replaced by the average batch statistics of "
+           "the final weights over the training crops (in batches of the training's size, "
+           "`keras_spatial.recompute_batch_norm_statistics`) and, on the next row, as "
+           "trained" if args.recompute_bn_statistics else "") + ":",
         "",
         "| input | estimator | mean | " + " | ".join(PARAMETERS) + " |",
         "|---|---|---|" + "---|" * len(PARAMETERS),
@@ -318,6 +366,8 @@ def _report(args, argv, rows, baseline, train_files, val_files, wall_minutes, wr
         for name in names:
             values = row["mse"][name]
             label = f"**{ESTIMATOR_LABELS[name]}**" if name == "cnn" else ESTIMATOR_LABELS[name]
+            if name == "cnn" and args.recompute_bn_statistics:
+                label = "**CNN, recomputed BN statistics**"
             lines.append(f"| {row['crop']}^3 | {label} | {values.mean():.4f} | "
                          + " | ".join(f"{v:.4f}" for v in values) + " |")
     lines += [
@@ -341,7 +391,7 @@ def _report(args, argv, rows, baseline, train_files, val_files, wall_minutes, wr
     ]
     lines += [f"| {row['crop']}^3 | {ESTIMATOR_LABELS[name]} | {row['single'][name][0]:.4f} | "
               f"{row['mse'][name][0]:.4f} | {row['single'][name][1]:.4f} | {row['mse'][name][1]:.4f} |"
-              for row in rows for name in names[1:]]
+              for row in rows for name in ("summary_fit", "power_spectrum_fit")]
     lines += [
         "",
         f"![validation curves and per-parameter errors]({os.path.basename(doc_png)})",

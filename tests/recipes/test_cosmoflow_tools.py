@@ -32,11 +32,25 @@ def test_demo_trains_on_two_ranks_and_prints_the_per_parameter_table(tmp_path):
 
 def test_claim_writes_its_report_and_json(tmp_path):
     doc, record = tmp_path / "claim.md", tmp_path / "claim.json"
-    run_tool("tools/cosmoflow_volume_claim.py", "--dir", str(tmp_path), "--count", "8",
-             "--crops", "32", "--epochs", "1", "--doc", str(doc), "--json", str(record))
+    out = run_tool("tools/cosmoflow_volume_claim.py", "--dir", str(tmp_path), "--count", "8",
+                   "--crops", "32", "--epochs", "1", "--doc", str(doc), "--json", str(record))
+    # 6 training universes: one batch of 4 for the recomputed batch-norm statistics.
+    assert "32^3: batch-norm statistics recomputed from 1 batches of 4" in out, out[-3000:]
     sizes = json.loads(record.read_text())["sizes"]
     assert list(sizes) == ["32"]
-    for estimator in ("cnn", "summary_fit", "power_spectrum_fit"):
+    for estimator in ("cnn", "cnn_moving_statistics", "summary_fit", "power_spectrum_fit"):
         assert sorted(sizes["32"][estimator]) == sorted(PARAMETERS)
-    assert "| 32^3 | **CNN** |" in doc.read_text()
+    assert sizes["32"]["cnn"] != sizes["32"]["cnn_moving_statistics"]
+    text = doc.read_text()
+    assert "| 32^3 | **CNN, recomputed BN statistics** |" in text
+    assert "| 32^3 | CNN, moving BN statistics |" in text
     assert (tmp_path / "claim.png").exists()
+
+
+def test_claim_refuses_recomputing_statistics_without_batch_norm(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "tools/cosmoflow_volume_claim.py", "--dir", str(tmp_path),
+         "--no-batch-norm", "--recompute-bn-statistics"],
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--recompute-bn-statistics needs --batch-norm" in result.stderr, result.stderr
