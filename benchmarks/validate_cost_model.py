@@ -1,6 +1,6 @@
 """Calibrate the performance model on this machine and compare it with measured steps.
 
-    .venv/bin/python benchmarks/validate_cost_model.py            # about 12 minutes
+    .venv/bin/python benchmarks/validate_cost_model.py            # about 16 minutes
     .venv/bin/python benchmarks/validate_cost_model.py --measured scaling.json
     .venv/bin/python benchmarks/validate_cost_model.py --quick    # smoke test, writes nothing
 
@@ -14,6 +14,10 @@
 3. **Compute**: the effective FLOP/s and the fixed time per layer and pass of this
    machine are fitted to the ONE-rank steps only (least relative squares over a grid);
    memory bandwidth comes from a numpy copy of 256 MiB.
+   **Co-running** (`--co-running`, on by default): each one-rank step runs alone, then as
+   one independent process per core at once (no communication); the median ratio over
+   the models is the compute slowdown of ranks that share the machine
+   (`Hardware.co_running_slowdown`, applied to every multi-rank prediction).
 4. **Validation**: with that `Hardware` (`keras_spatial.cost_model`), every measured
    multi-rank layout is predicted and compared: the error is predicted / measured - 1.
    Layouts with more rank x threads than cores are marked oversubscribed (the model
@@ -35,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as common  # noqa: E402  (benchmarks/, this script's folder; sets sys.path)
@@ -114,6 +119,38 @@ def memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     return 2 * source.nbytes / statistics.median(times)
 
 
+def measure_co_running(serial: list[dict], args) -> dict:
+    """The compute slowdown of ranks that share this machine, with no communication.
+
+    For every model of the one-rank rows, bench_scaling's worker runs that serial step
+    in one process alone, then in one independent process per core at once (plain
+    Python processes, no Horovod: nothing is exchanged). The ratio of the slowest
+    concurrent median to the alone median is what running next to each other costs;
+    the machine's `co_running_slowdown` is the median of the models' ratios. Returns
+    {"factor", "ratios": {label: ratio}, "processes"}.
+    """
+    import concurrent.futures
+
+    processes = max(os.cpu_count() or 1, 1)
+    script = os.path.join(REPO_ROOT, "benchmarks", "bench_scaling.py")
+    ratios = {}
+    for row in serial:
+        spec = dict(row)  # the measured row holds its job's spec (bench_scaling.summarize)
+        label = f"{row['model']} {row['size']}^3"
+
+        def median_step(_=None):
+            per_rank = common.launch_worker(script, spec, 1, 1, args.timeout)
+            return statistics.median(per_rank[0]["step_times"])
+
+        alone = median_step()
+        with concurrent.futures.ThreadPoolExecutor(processes) as pool:
+            together = max(pool.map(median_step, range(processes)))
+        ratios[label] = together / alone
+        print(f"    {label}: alone {alone:.3f} s, {processes} at once {together:.3f} s "
+              f"(x{ratios[label]:.3f})", flush=True)
+    return {"factor": statistics.median(ratios.values()), "ratios": ratios, "processes": processes}
+
+
 # Steps -----------------------------------------------------------------------------------
 def measure_steps(args, path: str) -> None:
     """Run bench_scaling, its rows to `path`; a configuration that failed is left out of
@@ -137,7 +174,7 @@ def builder(row: dict):
 
 
 # Fit and predict -------------------------------------------------------------------------
-def hardware_of(comm_result: dict, bandwidth: float, flops: float, overhead: float):
+def hardware_of(comm_result: dict, bandwidth: float, flops: float, overhead: float, co_running: float = 1.0):
     from keras_spatial.cost_model import Hardware
 
     return Hardware(
@@ -146,7 +183,7 @@ def hardware_of(comm_result: dict, bandwidth: float, flops: float, overhead: flo
         memory_capacity=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
         intra_node_latency=comm_result["latency"], intra_node_bandwidth=comm_result["bandwidth"],
         inter_node_latency=comm_result["latency"], inter_node_bandwidth=comm_result["bandwidth"],
-        ranks_per_node=os.cpu_count() or 1, op_overhead=overhead,
+        ranks_per_node=os.cpu_count() or 1, op_overhead=overhead, co_running_slowdown=co_running,
     )
 
 
@@ -179,7 +216,7 @@ def layout_text(row: dict) -> str:
     return f"{spatial} x {groups} data group(s)" if groups > 1 else spatial
 
 
-def render(rows: list[dict], hardware, command: str) -> str:
+def render(rows: list[dict], hardware, command: str, co_running: Optional[dict] = None) -> str:
     lines = [
         f"Command: `{command}`  ",
         f"Machine: {common.machine_line()}  ",
@@ -188,7 +225,12 @@ def render(rows: list[dict], hardware, command: str) -> str:
         f"{hardware.op_overhead * 1e6:.0f} us per layer and pass (both fitted to the one-rank steps), "
         f"memory {hardware.memory_bandwidth / 1e9:.1f} GB/s (numpy copy), collective latency "
         f"{hardware.intra_node_latency * 1e3:.2f} ms and bandwidth {hardware.intra_node_bandwidth / 1e9:.2f} GB/s "
-        "(Gloo allreduce on 2 ranks).",
+        "(Gloo allreduce on 2 ranks)"
+        + ("" if not co_running else
+           f"; compute x{hardware.co_running_slowdown:.3f} when ranks share the machine (median over the "
+           f"models of {co_running['processes']} independent one-rank steps at once against one alone: "
+           + ", ".join(f"{label} x{ratio:.3f}" for label, ratio in co_running["ratios"].items()) + ")")
+        + ".",
         "",
         "| model | size | layout | ranks | oversubscribed | measured (s) | predicted (s) | error |",
         "|---|---|---|---|---|---|---|---|",
@@ -218,6 +260,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bandwidth-mib", type=cli.positive_int("--bandwidth-mib"), default=32,
                         help="MiB per large allreduce (default 32)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per job (default 1800)")
+    parser.add_argument("--co-running", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the compute slowdown of ranks sharing the machine (one-rank "
+                             "steps run side by side, no communication) and put it in the model "
+                             "(default on; --no-co-running predicts as if every rank had the "
+                             "machine to itself)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 32^3 steps, small transfers, writes nothing")
     parser.add_argument("--docs", default=os.path.join(REPO_ROOT, "docs"), help="where the outputs go (default docs/)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -251,7 +298,11 @@ def main(argv=None) -> int:
         return 1
     cache: dict = {}
     flops, overhead = fit_compute(serial, comm_result, bandwidth, cache)
-    hardware = hardware_of(comm_result, bandwidth, flops, overhead)
+    co_running = None
+    if args.co_running:
+        print(f"co-running: the {len(serial)} one-rank step(s) alone, then side by side ...", flush=True)
+        co_running = measure_co_running(serial, args)
+    hardware = hardware_of(comm_result, bandwidth, flops, overhead, co_running["factor"] if co_running else 1.0)
     cores = os.cpu_count() or 1
     rows = []
     for r in steps:
@@ -259,7 +310,7 @@ def main(argv=None) -> int:
         rows.append({"model": r["model"], "size": r["size"], "layout": layout_text(r), "ranks": r["ranks"],
                      "oversubscribed": r["ranks"] * r.get("threads", 1) > cores,
                      "predicted_s": predicted, "measured_s": r["step"], "error": predicted / r["step"] - 1})
-    report = render(rows, hardware, command)
+    report = render(rows, hardware, command, co_running)
     print(report)
     if args.quick:
         return 0

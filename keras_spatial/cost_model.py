@@ -118,6 +118,11 @@ class Hardware:
         ranks_per_node: accelerators (ranks) per node; ranks are placed node by node.
         op_overhead: fixed time per layer and pass (kernel launches, framework), s.
             Defaults to 0.
+        co_running_slowdown: factor on every rank's compute time when more than one
+            rank runs on a node: what ranks sharing a node's memory system and caches
+            cost each other (CPU cores; measured by running one independent copy of a
+            one-rank step per core at once, `benchmarks/validate_cost_model.py`).
+            Defaults to 1 (an accelerator per rank).
 
     Raises:
         ValueError: for a missing, non-numeric, NaN, infinite or non-positive value, an
@@ -136,6 +141,7 @@ class Hardware:
     inter_node_bandwidth: float
     ranks_per_node: int
     op_overhead: float = 0.0
+    co_running_slowdown: float = 1.0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -190,6 +196,10 @@ class Hardware:
     def effective_memory_bandwidth(self) -> float:
         """Achieved memory bandwidth, bytes/s."""
         return self.memory_bandwidth * self.memory_efficiency
+
+    def compute_factor(self, world_size: int) -> float:
+        """`co_running_slowdown` when a node holds more than one of the world's ranks, else 1."""
+        return self.co_running_slowdown if min(world_size, self.ranks_per_node) > 1 else 1.0
 
     @property
     def rank_network_bandwidth(self) -> float:
@@ -653,7 +663,8 @@ class LayerTime:
 
     Attributes:
         name, type: the layer's.
-        compute: roofline compute of both passes plus `Hardware.op_overhead` per pass.
+        compute: roofline compute of both passes plus `Hardware.op_overhead` per pass,
+            times `Hardware.compute_factor` (ranks sharing a node).
         halo: halo exchange of both passes (the backward one only when the input
             gradient is computed).
         collectives: the layer's own collectives (gathers, global pooling, batch-norm
@@ -679,7 +690,7 @@ def layer_time(cost: LayerCost, mesh: Mesh, hardware: Hardware, collectives: str
     overhead = hardware.op_overhead if cost.forward_flops or cost.forward_bytes else 0.0
     compute = (compute_time(cost.forward_flops, cost.forward_bytes, hardware)
                + compute_time(cost.backward_flops, cost.backward_bytes, hardware)
-               + overhead * (2 if cost.backward_bytes else 1))
+               + overhead * (2 if cost.backward_bytes else 1)) * hardware.compute_factor(mesh.world_size)
     exchange = exchange_time(cost, mesh, hardware)
     halo = exchange + (exchange if cost.input_gradient else 0.0)
     communication = sum(collective_time(c, mesh, hardware, collectives)
@@ -822,7 +833,7 @@ def predict_step(
         params * ADAM_FLOPS_PER_PARAMETER,
         params * BYTES_PER_ELEMENT * (3 + 2 * optimizer_slots),  # read p, g, slots; write p, slots
         hardware,
-    )
+    ) * hardware.compute_factor(world_size)
     step = compute + halo + layer_collectives + gradients + optimizer + metric
     return StepPrediction(
         spatial_shape=mesh.spatial_shape, world_size=world_size, data_groups=mesh.data_size,

@@ -198,6 +198,21 @@ def test_predict_step_single_rank_sums_the_layers(model):
     assert prediction.step == pytest.approx(prediction.compute + prediction.optimizer, rel=1e-12)
 
 
+def test_co_running_slowdown_scales_compute_of_ranks_sharing_a_node(model):
+    plain, shared = hardware(), hardware(co_running_slowdown=1.25)
+    assert (plain.compute_factor(2), shared.compute_factor(1), shared.compute_factor(2)) == (1.0, 1.0, 1.25)
+    assert hardware(ranks_per_node=1, co_running_slowdown=1.25).compute_factor(8) == 1.0
+    one = [cm.predict_step(model, (1, 1, 1), 1, 1, hw) for hw in (plain, shared)]
+    assert one[0] == one[1]  # one rank: nothing shares its node
+    two = [cm.predict_step(model, (2, 1, 1), 2, 1, hw) for hw in (plain, shared)]
+    assert two[1].compute == pytest.approx(1.25 * two[0].compute, rel=1e-12)
+    assert two[1].optimizer == pytest.approx(1.25 * two[0].optimizer, rel=1e-12)
+    assert (two[1].halo, two[1].gradient_allreduce) == (two[0].halo, two[0].gradient_allreduce)
+    apart = [cm.predict_step(model, (2, 1, 1), 2, 1, hardware(ranks_per_node=1, co_running_slowdown=c))
+             for c in (1.0, 1.25)]
+    assert apart[0].compute == apart[1].compute
+
+
 def test_more_ranks_less_compute_per_rank(model):
     hw = hardware()
     layouts = [(1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 2, 2)]
@@ -231,6 +246,7 @@ def test_predict_step_rejects_a_batch_the_groups_cannot_share(model):
         ("ranks_per_node", 2.5, "integer"),
         ("memory_capacity", "16GB", "finite number"),
         ("op_overhead", -1e-6, "must be positive"),
+        ("co_running_slowdown", 0.0, "must be positive"),
         ("name", "", "non-empty string"),
         ("ranks_per_node", True, "finite number"),
     ],
