@@ -38,12 +38,13 @@ def test_claim_writes_its_report_and_json(tmp_path):
     assert "32^3: batch-norm statistics recomputed from 1 batches of 4" in out, out[-3000:]
     sizes = json.loads(record.read_text())["sizes"]
     assert list(sizes) == ["32"]
-    for estimator in ("cnn", "cnn_moving_statistics", "summary_fit", "power_spectrum_fit"):
+    for estimator in ("cnn", "cnn_moving_statistics", "cnn_readout", "summary_fit", "power_spectrum_fit"):
         assert sorted(sizes["32"][estimator]) == sorted(PARAMETERS)
     assert sizes["32"]["cnn"] != sizes["32"]["cnn_moving_statistics"]
     text = doc.read_text()
     assert "| 32^3 | **CNN, recomputed BN statistics** |" in text
     assert "| 32^3 | CNN, moving BN statistics |" in text
+    assert "| 32^3 | CNN trunk + ridge readout |" in text
     assert (tmp_path / "claim.png").exists()
 
 
