@@ -48,6 +48,13 @@ def batch_norm_layers(model) -> list:
     return found
 
 
+def check_steps(steps) -> None:
+    """Raises ValueError unless `steps` is None or a positive integer (not a bool)."""
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer))
+                              or steps < 1):
+        raise ValueError(f"`steps` must be a positive integer or None. Received: steps={steps!r}")
+
+
 def recompute_batch_norm_statistics(model, dataset, steps: Optional[int] = None) -> int:
     """Set the moving statistics of every batch normalization of `model` to the average
     batch statistics of its current weights over `steps` batches of `dataset`.
@@ -96,9 +103,7 @@ def recompute_batch_norm_statistics(model, dataset, steps: Optional[int] = None)
             "recompute_batch_norm_statistics: the model has no trainable BatchNormalization "
             f"layer, so there are no moving statistics to recompute. Received: model={model.name!r}"
         )
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer))
-                              or steps < 1):
-        raise ValueError(f"`steps` must be a positive integer or None. Received: steps={steps!r}")
+    check_steps(steps)
     if steps is None and isinstance(dataset, tf.data.Dataset):
         cardinality = int(dataset.cardinality())
         if cardinality == tf.data.INFINITE_CARDINALITY:

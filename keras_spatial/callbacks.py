@@ -8,7 +8,7 @@ import time
 import keras
 import numpy as np
 
-from keras_spatial.batch_norm_statistics import batch_norm_layers, recompute_batch_norm_statistics
+from keras_spatial.batch_norm_statistics import batch_norm_layers, check_steps, recompute_batch_norm_statistics
 from keras_spatial.context import get_strategy
 from keras_spatial.optimizer import DistributedOptimizer
 from keras_spatial.plan import replicated_layers
@@ -183,9 +183,7 @@ class RecomputeBatchNormStatistics(keras.callbacks.Callback):
 
     def __init__(self, dataset, steps=None, every_epoch: bool = False, verbose: int = 1):
         super().__init__()
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, numbers.Integral)
-                                  or steps < 1):
-            raise ValueError(f"`steps` must be a positive integer or None. Received: steps={steps!r}")
+        check_steps(steps)
         self.dataset = dataset
         self.steps = steps
         self.every_epoch = bool(every_epoch)

@@ -131,14 +131,15 @@ def _read_crops(paths, crop: int):
 
 
 def predict_validation(model_path: str, paths, crop: int, recompute_from=None, batch_size: int = 4,
-                       readout_layer: str = None):
+                       readout_layer: str = None, recompute_labels=None):
     """Predictions of the saved model for the crops of `paths`: {"moving": ...} with its
     moving batch-norm statistics and, with `recompute_from` (training files), also
     {"recomputed": ...} after `keras_spatial.recompute_batch_norm_statistics` over their
     crops in batches of `batch_size` (the last partial batch left out, as in training).
-    With `readout_layer` (and `recompute_from`), also {"readout": ...}: a ridge fit
-    (`RidgeFit`) of the labels of `recompute_from` on that layer's outputs, applied to
-    those of `paths`, i.e. what a linear readout of the trained trunk gives."""
+    With `readout_layer` (and `recompute_from` and its labels `recompute_labels`, (N, 4)),
+    also {"readout": ...}: a ridge fit (`RidgeFit`) of those labels on that layer's
+    outputs, applied to those of `paths`, i.e. what a linear readout of the trained trunk
+    gives."""
     import keras
     import numpy as np
 
@@ -169,13 +170,7 @@ def predict_validation(model_path: str, paths, crop: int, recompute_from=None, b
             both = keras.Model(model.input, [model.get_layer(readout_layer).output, model.output])
             features, predictions["recomputed"] = predict(both, paths)
             train_features, _ = predict(both, recompute_from)
-            import h5py
-
-            labels = []
-            for path in recompute_from:
-                with h5py.File(path, "r") as f:
-                    labels.append(np.asarray(f["unitPar"][...], np.float64))
-            readout = RidgeFit().fit(train_features, np.stack(labels))
+            readout = RidgeFit().fit(train_features, recompute_labels)
             predictions["readout"] = readout.predict(features)
     return predictions
 
@@ -290,7 +285,8 @@ def main(argv=None) -> int:
             os.path.join(args.dir, f"crop{crop}", "model.keras"), val_paths, crop,
             recompute_from=train_paths if args.recompute_bn_statistics else None,
             batch_size=args.batch_size,
-            readout_layer="global_average" if args.recompute_bn_statistics and args.head != "flatten" else None)
+            readout_layer="global_average" if args.recompute_bn_statistics and args.head != "flatten" else None,
+            recompute_labels=train_y)
         mse = {"cnn": ((predicted.get("recomputed", predicted["moving"]) - val_y) ** 2).mean(axis=0)}
         if "recomputed" in predicted:
             mse["cnn_moving_statistics"] = ((predicted["moving"] - val_y) ** 2).mean(axis=0)
