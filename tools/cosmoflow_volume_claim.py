@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "see docs/cosmoflow_claim.md)")
     parser.add_argument("--augment", default="cube", choices=("none", "flips", "cube"),
                         help="symmetries of the cube applied to training universes (default cube)")
+    parser.add_argument("--dropout", type=cli.rate("--dropout"), default=0.2,
+                        help="dropout rate of the dense head (recipes.cosmoflow.train --dropout; "
+                             "default 0.2, the paper's)")
     parser.add_argument("--seed", type=cli.non_negative_int("--seed"), default=0,
                         help="seed of the trainings' initial weights, shuffling and augmentation "
                              "(recipes.cosmoflow.train --seed; default 0). The universes and their "
@@ -109,7 +112,7 @@ def train(args, data: str, crop: int, out: str, env: dict) -> float:
         "--spatial", f"{args.np},1,1", "--batch-size", str(args.batch_size),
         "--epochs", str(args.epochs), "--learning-rate", str(args.learning_rate),
         "--schedule", args.schedule, "--head", args.head, "--augment", args.augment,
-        "--out", out, "--seed", str(args.seed),
+        "--out", out, "--seed", str(args.seed), "--dropout", str(args.dropout),
     ] + (["--batch-norm"] if args.batch_norm else []) + (["--whiten"] if args.whiten else [])
     print("  " + " ".join(command), flush=True)
     start = time.perf_counter()
@@ -340,7 +343,8 @@ def _finished_run(out: str, args):
             and bool(config.get("batch_norm")) == args.batch_norm
             and (config.get("input_whitening") is not None) == args.whiten
             and (config.get("augment") or "none") == args.augment
-            and config.get("seed", 0) == args.seed)
+            and config.get("seed", 0) == args.seed
+            and config.get("dropout", 0.2) == args.dropout)
     return record if same else None
 
 
@@ -372,7 +376,7 @@ def _report(args, argv, rows, baseline, train_files, val_files, wall_minutes, wr
         f"Same {len(train_files)} training and {len(val_files)} validation universes "
         f"(synthetic lognormal, 128^3 x 4 redshifts, 512 Mpc/h), same initial weights, "
         f"{args.epochs} epochs, global batch {args.batch_size}, schedule {args.schedule} "
-        f"(peak {args.learning_rate:g}), head {args.head}, augmentation {args.augment}; the "
+        f"(peak {args.learning_rate:g}), head {args.head} (dropout {args.dropout:g}), augmentation {args.augment}; the "
         f"paper's CosmoFlow trunk{' (batch normalization after every convolution)' if args.batch_norm else ''} with the input " + ("whitening" if args.whiten else "standardization") + " of `recipes.cosmoflow.train`; "
         "the crops are the corner C^3 of each universe. Validation MSE per parameter, each "
         "scaled to [-1, 1] (a uniform label has variance 1/3); the CNN from the saved "
