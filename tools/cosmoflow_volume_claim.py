@@ -344,7 +344,7 @@ def _finished_run(out: str, args):
             and (config.get("input_whitening") is not None) == args.whiten
             and (config.get("augment") or "none") == args.augment
             and config.get("seed", 0) == args.seed
-            and config.get("dropout", 0.2) == args.dropout)
+            and config.get("dropout") == args.dropout)
     return record if same else None
 
 
