@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="batch normalization between every convolution of the trunk and its "
                              "activation (recipes.cosmoflow.train --batch-norm; default on, "
                              "see docs/cosmoflow_claim.md)")
+    parser.add_argument("--batch-renorm", action="store_true",
+                        help="with --batch-norm: batch renormalization in the trunk "
+                             "(recipes.cosmoflow.train --batch-renorm; default off)")
     parser.add_argument("--augment", default="cube", choices=("none", "flips", "cube"),
                         help="symmetries of the cube applied to training universes (default cube)")
     parser.add_argument("--dropout", type=cli.rate("--dropout"), default=0.2,
@@ -113,7 +116,8 @@ def train(args, data: str, crop: int, out: str, env: dict) -> float:
         "--epochs", str(args.epochs), "--learning-rate", str(args.learning_rate),
         "--schedule", args.schedule, "--head", args.head, "--augment", args.augment,
         "--out", out, "--seed", str(args.seed), "--dropout", str(args.dropout),
-    ] + (["--batch-norm"] if args.batch_norm else []) + (["--whiten"] if args.whiten else [])
+    ] + (["--batch-norm"] if args.batch_norm else []) + (["--whiten"] if args.whiten else []) + (
+        ["--batch-renorm"] if args.batch_renorm else [])
     print("  " + " ".join(command), flush=True)
     start = time.perf_counter()
     status = run_quietly(command, env, REPO_ROOT)
@@ -233,6 +237,8 @@ def main(argv=None) -> int:
         args.recompute_bn_statistics = args.batch_norm
     elif args.recompute_bn_statistics and not args.batch_norm:
         parser.error("--recompute-bn-statistics needs --batch-norm")
+    if args.batch_renorm and not args.batch_norm:
+        parser.error("--batch-renorm needs --batch-norm")
     env = job_environment()
     os.environ.update({k: env[k] for k in ("TF_CPP_MIN_LOG_LEVEL",)})
     data = os.path.join(args.dir, "universes")
@@ -341,6 +347,7 @@ def _finished_run(out: str, args):
     same = (len(record.get("history", {}).get("loss", [])) == args.epochs
             and config.get("head") == args.head and config.get("schedule") == args.schedule
             and bool(config.get("batch_norm")) == args.batch_norm
+            and bool(config.get("batch_renorm")) == args.batch_renorm
             and (config.get("input_whitening") is not None) == args.whiten
             and (config.get("augment") or "none") == args.augment
             and config.get("seed", 0) == args.seed
@@ -377,7 +384,7 @@ def _report(args, argv, rows, baseline, train_files, val_files, wall_minutes, wr
         f"(synthetic lognormal, 128^3 x 4 redshifts, 512 Mpc/h), same initial weights, "
         f"{args.epochs} epochs, global batch {args.batch_size}, schedule {args.schedule} "
         f"(peak {args.learning_rate:g}), head {args.head} (dropout {args.dropout:g}), augmentation {args.augment}; the "
-        f"paper's CosmoFlow trunk{' (batch normalization after every convolution)' if args.batch_norm else ''} with the input " + ("whitening" if args.whiten else "standardization") + " of `recipes.cosmoflow.train`; "
+        f"paper's CosmoFlow trunk{(' (batch renormalization' if args.batch_renorm else ' (batch normalization') + ' after every convolution)' if args.batch_norm else ''} with the input " + ("whitening" if args.whiten else "standardization") + " of `recipes.cosmoflow.train`; "
         "the crops are the corner C^3 of each universe. Validation MSE per parameter, each "
         "scaled to [-1, 1] (a uniform label has variance 1/3); the CNN from the saved "
         "model.keras loaded in one process"

@@ -67,6 +67,10 @@ MLPERF_KERNEL = 2
 # Moving statistics decay of the optional batch norm (LBANN's 0.9): short CPU runs take only a
 # few hundred steps, too few for Keras's 0.99 to forget the initial (0, 1) statistics.
 BATCH_NORM_MOMENTUM = 0.9
+# Batch renormalization (Ioffe 2017) of the trunk's batch norms: the clipping and the
+# momentum of the statistics the corrections r and d are computed from.
+BATCH_RENORM_CLIPPING = {"rmin": 1.0 / 3.0, "rmax": 3.0, "dmax": 5.0}
+BATCH_RENORM_MOMENTUM = 0.99
 
 
 def _is_int(value) -> bool:
@@ -217,8 +221,18 @@ def _head_input(x, head: str, gathered: bool):
     return layer(name="flatten")(x)
 
 
+def _trunk_batch_norm(name: str, renorm: bool):
+    """The batch norm between a trunk conv and its activation."""
+    if not renorm:
+        return ks_layers.SpatialBatchNormalization(momentum=BATCH_NORM_MOMENTUM, name=name)
+    return ks_layers.SpatialBatchNormalization(
+        momentum=BATCH_NORM_MOMENTUM, renorm=True, renorm_clipping=dict(BATCH_RENORM_CLIPPING),
+        renorm_momentum=BATCH_RENORM_MOMENTUM, name=name,
+    )
+
+
 def _paper(x, batch_norm: bool, dropout: float, outputs: int, input_size: int, gather_before_block=None,
-           head: str = "flatten"):
+           head: str = "flatten", batch_renorm: bool = False):
     conv, pool_layer = ks_layers.SpatialConv3D, ks_layers.SpatialAveragePooling3D
     gathered = False
     for block, (filters, stride, pool) in enumerate(
@@ -238,7 +252,7 @@ def _paper(x, batch_norm: bool, dropout: float, outputs: int, input_size: int, g
             name=f"block{block}_conv",
         )(x)
         if batch_norm:
-            x = ks_layers.SpatialBatchNormalization(momentum=BATCH_NORM_MOMENTUM, name=f"block{block}_bn")(x)
+            x = _trunk_batch_norm(f"block{block}_bn", batch_renorm)(x)
         x = keras.layers.LeakyReLU(negative_slope=PAPER_NEGATIVE_SLOPE, name=f"block{block}_lrelu")(x)
         if pool:
             x = pool_layer(3, strides=2, padding="same", name=f"block{block}_pool")(x)
@@ -253,12 +267,13 @@ def _paper(x, batch_norm: bool, dropout: float, outputs: int, input_size: int, g
     return keras.layers.Dense(outputs, name="head_output")(x)
 
 
-def _mlperf(x, batch_norm: bool, dropout: float, outputs: int, head: str = "flatten"):
+def _mlperf(x, batch_norm: bool, dropout: float, outputs: int, head: str = "flatten",
+            batch_renorm: bool = False):
     for block in range(1, MLPERF_BLOCKS + 1):
         x = ks_layers.SpatialConv3D(32 * 2 ** (block - 1), MLPERF_KERNEL, padding="same",
                                     name=f"block{block}_conv")(x)
         if batch_norm:
-            x = ks_layers.SpatialBatchNormalization(momentum=BATCH_NORM_MOMENTUM, name=f"block{block}_bn")(x)
+            x = _trunk_batch_norm(f"block{block}_bn", batch_renorm)(x)
         x = keras.layers.LeakyReLU(negative_slope=MLPERF_NEGATIVE_SLOPE, name=f"block{block}_lrelu")(x)
         x = ks_layers.SpatialMaxPooling3D(2, name=f"block{block}_pool")(x)
     x = _head_input(x, head, gathered=False)
@@ -285,6 +300,7 @@ def build_model(
     input_std=None,
     head: str = "flatten",
     input_whitening=None,
+    batch_renorm: bool = False,
 ) -> keras.Model:
     """The CosmoFlow network for a `input_size`^3 x `channels` volume.
 
@@ -321,6 +337,11 @@ def build_model(
             of `channels` means and a `channels` x `channels` matrix W: a first,
             non-trainable `Dense` layer maps the channels c of every voxel to
             (c - mean) @ W (see `whitening_statistics`). Defaults to None.
+        batch_renorm: with `batch_norm`, make the trunk's batch norms batch
+            renormalizations (Ioffe 2017; Keras's `renorm=True` with
+            `BATCH_RENORM_CLIPPING` and `BATCH_RENORM_MOMENTUM`): training normalizes by
+            moving statistics corrected within the clipping, not by each batch's own.
+            Defaults to False.
 
     Returns:
         A functional `keras.Model` (uncompiled; the paper trains it with MSE and
@@ -348,6 +369,9 @@ def build_model(
         )
     if head not in HEADS:
         raise ValueError(f"`head` must be one of {HEADS}. Received: head={head!r}")
+    if batch_renorm and not batch_norm:
+        raise ValueError("`batch_renorm=True` renormalizes the trunk's batch norms; it needs "
+                         "`batch_norm=True`. Received: batch_norm=False")
     if dropout is None:
         dropout = PAPER_DROPOUT if variant == "paper" else MLPERF_DROPOUT
     inputs = ks.Input((input_size,) * 3 + (channels,), name="universe")
@@ -369,7 +393,8 @@ def build_model(
         x = keras.layers.Normalization(axis=-1, mean=mean, variance=[v * v for v in std],
                                        name="input_standardization")(x)
     if variant == "paper":
-        y = _paper(x, bool(batch_norm), float(dropout), outputs, input_size, gather_before_block, head)
+        y = _paper(x, bool(batch_norm), float(dropout), outputs, input_size, gather_before_block, head,
+                   bool(batch_renorm))
     else:
-        y = _mlperf(x, bool(batch_norm), float(dropout), outputs, head)
+        y = _mlperf(x, bool(batch_norm), float(dropout), outputs, head, bool(batch_renorm))
     return keras.Model(inputs, y, name=name or f"cosmoflow_{variant}_{input_size}")

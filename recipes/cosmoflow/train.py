@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "'flips': the 8 reflections), read shard by shard; default none")
     parser.add_argument("--batch-norm", action="store_true",
                         help="batch normalization after every convolution (global statistics)")
+    parser.add_argument("--batch-renorm", action="store_true",
+                        help="with --batch-norm: batch renormalization (Ioffe 2017) in the trunk, "
+                             "training normalizes by clipped-corrected moving statistics")
     parser.add_argument("--recompute-bn-statistics", action="store_true",
                         help="with --batch-norm: before the last validation, replace the moving "
                              "statistics by the average batch statistics of the final weights "
@@ -217,6 +220,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.recompute_bn_statistics and not (args.batch_norm or args.head == "gap-bn"):
         raise cli.BadArgument("--recompute-bn-statistics needs batch normalization "
                               "(--batch-norm or --head gap-bn)")
+    if args.batch_renorm and not args.batch_norm:
+        raise cli.BadArgument("--batch-renorm renormalizes the trunk's batch norms; add --batch-norm")
     input_mean = input_std = input_whitening = None
     if args.whiten:
         if not args.standardize:
@@ -232,7 +237,8 @@ def run(args: argparse.Namespace) -> dict:
     def build(gather=gather_before_block):
         return build_model(size, variant=args.variant, channels=shape[3], batch_norm=args.batch_norm,
                            dropout=dropout, input_mean=input_mean, input_std=input_std,
-                           input_whitening=input_whitening, gather_before_block=gather, head=args.head)
+                           input_whitening=input_whitening, gather_before_block=gather, head=args.head,
+                           batch_renorm=args.batch_renorm)
 
     spatial = args.spatial
     if spatial == "auto":
@@ -317,7 +323,8 @@ def run(args: argparse.Namespace) -> dict:
         config = {
             "data": os.path.abspath(data_dir), "size": size, "crop": args.crop,
             "input_mean": input_mean, "input_std": input_std, "input_whitening": input_whitening, "variant": args.variant,
-            "dropout": dropout, "batch_norm": args.batch_norm, "head": args.head,
+            "dropout": dropout, "batch_norm": args.batch_norm,
+            "batch_renorm": args.batch_renorm, "head": args.head,
             "recompute_bn_statistics": args.recompute_bn_statistics,
             "schedule": args.schedule, "optimizer": optimizer_text, "augment": augment,
             "gather_before_block": gather_before_block,

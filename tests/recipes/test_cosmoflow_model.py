@@ -11,7 +11,13 @@ keras = pytest.importorskip("keras")
 
 import keras_spatial as ks  # noqa: E402
 from keras_spatial.plan import plan_for_mesh  # noqa: E402
-from recipes.cosmoflow.model import build_model, paper_pooled_blocks, whitening_statistics  # noqa: E402
+from recipes.cosmoflow.model import (  # noqa: E402
+    BATCH_RENORM_CLIPPING,
+    BATCH_RENORM_MOMENTUM,
+    build_model,
+    paper_pooled_blocks,
+    whitening_statistics,
+)
 
 PAPER_PARAMS = 9_437_636  # 4,715,712 conv (no bias) + 4,721,924 dense
 # MLPerf HPC's reference (kernel 2 'same'): 1,394,656 conv + a first dense layer of
@@ -43,6 +49,19 @@ def test_paper_with_batch_norm_adds_four_numbers_per_channel():
     model = build_model(64, batch_norm=True)
     assert model.count_params() == PAPER_PARAMS + 4 * (16 + 32 + 64 + 128 + 3 * 256)
     assert sum(isinstance(layer, ks.layers.SpatialBatchNormalization) for layer in model.layers) == 7
+
+
+@pytest.mark.parametrize("variant", ["paper", "mlperf"])
+def test_batch_renorm_renormalizes_every_trunk_batch_norm(variant):
+    model = build_model(64, variant, batch_norm=True, batch_renorm=True)
+    norms = [layer for layer in model.layers if isinstance(layer, ks.layers.SpatialBatchNormalization)]
+    assert norms and all(layer.renorm for layer in norms)
+    assert all(layer.renorm_clipping == BATCH_RENORM_CLIPPING for layer in norms)
+    assert all(layer.renorm_momentum == BATCH_RENORM_MOMENTUM for layer in norms)
+    # Renormalization adds training-only statistics, not parameters.
+    plain = build_model(64, variant, batch_norm=True)
+    assert model.count_params() > plain.count_params()
+    assert sum(map(np.size, model.trainable_weights)) == sum(map(np.size, plain.trainable_weights))
 
 
 @pytest.mark.parametrize("size", sorted(MLPERF_PARAMS))
@@ -193,6 +212,7 @@ def test_which_depth_splits_stay_aligned(variant, size, spatial_shape, valid):
         ({"dropout": "0.2"}, r"Received: dropout='0.2'$"),
         ({"outputs": 0}, r"Received: outputs=0$"),
         ({"head": "max"}, r"`head` must be one of .*Received: head='max'$"),
+        ({"batch_renorm": True}, r"needs `batch_norm=True`. Received: batch_norm=False$"),
     ],
 )
 def test_bad_arguments(kwargs, message):
