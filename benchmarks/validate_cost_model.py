@@ -11,9 +11,14 @@
 2. **Steps**: `benchmarks/bench_scaling.py --json` measures one training step of
    CosmoFlow 64^3 and 128^3 and the U-Net 64^3 in the layouts of `--configs` (or
    `--measured` reads such a file).
-3. **Compute**: the effective FLOP/s and the fixed time per layer and pass of this
-   machine are fitted to the ONE-rank steps only (least relative squares over a grid);
-   memory bandwidth comes from a numpy copy of 256 MiB.
+3. **Compute**: every convolution and transposed convolution the measured layouts run
+   (each distinct per-rank shape, filters, kernel, strides: `cost_model.kernel_key`) is
+   timed alone, forward plus backward, in one plain process with one thread (median of
+   `--kernel-repeats` calls); that table (`Hardware.kernel_times`) replaces the roofline
+   for those layers, because convolution throughput depends on the shape. The effective
+   FLOP/s of the other layers and the fixed time per layer and pass of this machine are
+   then fitted to the ONE-rank steps only (least relative squares over a grid); memory
+   bandwidth comes from a numpy copy of 256 MiB.
    **Co-running** (`--co-running`, on by default): each one-rank step runs alone, then as
    one independent process per core at once (no communication); the median ratio over
    the models is the compute slowdown of ranks that share the machine
@@ -151,6 +156,60 @@ def measure_co_running(serial: list[dict], args) -> dict:
     return {"factor": statistics.median(ratios.values()), "ratios": ratios, "processes": processes}
 
 
+# Convolution kernels (worker) --------------------------------------------------------------
+def kernel_worker(spec: dict) -> None:
+    """Time each kernel of spec["keys"]: forward + backward of one Keras convolution."""
+    common.configure_threads(spec["threads"])
+    import keras
+    import tensorflow as tf
+
+    from keras_spatial.cost_model import parse_kernel_key
+
+    times = {}
+    for index, key in enumerate(spec["keys"], start=1):
+        kernel = parse_kernel_key(key)
+        layer_class = keras.layers.Conv3DTranspose if kernel["class"] == "Conv3DTranspose" else keras.layers.Conv3D
+        layer = layer_class(kernel["filters"], kernel["kernel_size"], strides=kernel["strides"],
+                            padding=kernel["padding"], use_bias=kernel["use_bias"])
+        x = tf.random.normal(kernel["input"])
+        layer.build(x.shape)
+
+        @tf.function
+        def step(x, layer=layer, input_gradient=kernel["input_gradient"]):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(layer(x))
+            sources = ([x] if input_gradient else []) + list(layer.trainable_weights)
+            return tf.add_n([tf.reduce_sum(g) for g in tape.gradient(loss, sources)])
+
+        step(x).numpy()  # trace and warm up
+        samples = []
+        for _ in range(spec["repeats"]):
+            start = time.perf_counter()
+            step(x).numpy()
+            samples.append(time.perf_counter() - start)
+        times[key] = statistics.median(samples)
+        if index % 20 == 0 or index == len(spec["keys"]):
+            print(f"    {index}/{len(spec['keys'])} kernels timed", flush=True)
+    common.write_result(spec, [{"kernel_times": times}])
+
+
+def measure_kernels(keys: list[str], args) -> dict:
+    """{kernel key: seconds of its forward + backward pass}, one process, one thread."""
+    spec = {"kind": "kernels", "ranks": 1, "threads": 1, "keys": sorted(keys), "repeats": args.kernel_repeats}
+    return common.launch_worker(__file__, spec, 1, 1, args.timeout)[0]["kernel_times"]
+
+
+def kernel_flops(steps: list[dict], cache: dict) -> dict:
+    """{kernel key: forward + backward FLOPs} of every convolution in the measured layouts."""
+    flops = {}
+    for row in steps:
+        for cost in costs_of(row, cache):
+            if cost.kernel:
+                flops[cost.kernel] = cost.forward_flops + cost.backward_flops
+    return flops
+
+
 # Steps -----------------------------------------------------------------------------------
 def measure_steps(args, path: str) -> None:
     """Run bench_scaling, its rows to `path`; a configuration that failed is left out of
@@ -174,7 +233,8 @@ def builder(row: dict):
 
 
 # Fit and predict -------------------------------------------------------------------------
-def hardware_of(comm_result: dict, bandwidth: float, flops: float, overhead: float, co_running: float = 1.0):
+def hardware_of(comm_result: dict, bandwidth: float, flops: float, overhead: float, co_running: float = 1.0,
+                kernel_times: Optional[dict] = None):
     from keras_spatial.cost_model import Hardware
 
     return Hardware(
@@ -184,26 +244,39 @@ def hardware_of(comm_result: dict, bandwidth: float, flops: float, overhead: flo
         intra_node_latency=comm_result["latency"], intra_node_bandwidth=comm_result["bandwidth"],
         inter_node_latency=comm_result["latency"], inter_node_bandwidth=comm_result["bandwidth"],
         ranks_per_node=os.cpu_count() or 1, op_overhead=overhead, co_running_slowdown=co_running,
+        kernel_times=kernel_times,
     )
 
 
-def predict(row: dict, costs_cache: dict, hardware) -> float:
-    from keras_spatial.cost_model import model_costs, predict_step
+def costs_of(row: dict, costs_cache: dict) -> list:
+    """`cost_model.model_costs` of a measured row's model and layout (cached)."""
+    from keras_spatial.cost_model import model_costs
 
-    spatial = tuple(row["spatial"])
-    batch = row["ranks"] // row["spatial_size"]  # one sample per data group
-    key = (row["model"], row["size"], spatial, row["ranks"], row.get("gather_before_block"))
+    key = (row["model"], row["size"], tuple(row["spatial"]), row["ranks"], row.get("gather_before_block"))
     if key not in costs_cache:
-        costs_cache[key] = model_costs(builder(row), spatial, world_size=row["ranks"], batch_size=1)
-    return predict_step(costs_cache[key], spatial, row["ranks"], batch, hardware).step
+        costs_cache[key] = model_costs(builder(row), tuple(row["spatial"]), world_size=row["ranks"], batch_size=1)
+    return costs_cache[key]
 
 
-def fit_compute(serial: list[dict], comm_result: dict, bandwidth: float, cache: dict) -> tuple:
-    """(FLOP/s, overhead) minimising the squared relative error of the one-rank steps."""
+def predict(row: dict, costs_cache: dict, hardware) -> float:
+    from keras_spatial.cost_model import predict_step
+
+    batch = row["ranks"] // row["spatial_size"]  # one sample per data group
+    return predict_step(costs_of(row, costs_cache), tuple(row["spatial"]), row["ranks"], batch, hardware).step
+
+
+FIT_GFLOPS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
+FIT_OVERHEADS = (0.0, 2e-5, 5e-5, 1e-4, 1.5e-4, 2e-4, 3e-4, 4e-4, 5e-4, 7e-4, 1e-3, 1.5e-3)
+
+
+def fit_compute(serial: list[dict], comm_result: dict, bandwidth: float, cache: dict,
+                kernel_times: Optional[dict] = None) -> tuple:
+    """(FLOP/s, overhead) minimising the squared relative error of the one-rank steps
+    (the layers of `kernel_times` keep their measured times)."""
     best = None
-    for flops in [g * 1e9 for g in (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 18, 20, 24, 28, 32, 40, 48, 64)]:
-        for overhead in (0.0, 2e-5, 5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3):
-            hardware = hardware_of(comm_result, bandwidth, flops, overhead)
+    for flops in [g * 1e9 for g in FIT_GFLOPS]:
+        for overhead in FIT_OVERHEADS:
+            hardware = hardware_of(comm_result, bandwidth, flops, overhead, kernel_times=kernel_times)
             error = sum((predict(r, cache, hardware) / r["step"] - 1) ** 2 for r in serial)
             if best is None or error < best[0]:
                 best = (error, flops, overhead)
@@ -216,12 +289,23 @@ def layout_text(row: dict) -> str:
     return f"{spatial} x {groups} data group(s)" if groups > 1 else spatial
 
 
-def render(rows: list[dict], hardware, command: str, co_running: Optional[dict] = None) -> str:
+def kernel_summary(kernel_times: dict, kernel_flops: dict) -> str:
+    """The range of the kernels' achieved GFLOP/s (the cost model's FLOPs), as text."""
+    rates = sorted(kernel_flops[key] / seconds / 1e9 for key, seconds in kernel_times.items())
+    return f"{rates[0]:.0f} to {rates[-1]:.0f} GFLOP/s, median {statistics.median(rates):.0f}"
+
+
+def render(rows: list[dict], hardware, command: str, co_running: Optional[dict] = None,
+           flops_of_kernels: Optional[dict] = None) -> str:
     lines = [
         f"Command: `{command}`  ",
         f"Machine: {common.machine_line()}  ",
         "",
-        f"Calibrated (`docs/hardware_this_machine.json`): {hardware.peak_flops / 1e9:.0f} GFLOP/s effective, "
+        "Calibrated (`docs/hardware_this_machine.json`): "
+        + (f"{len(hardware.kernel_times)} convolution kernels timed alone (forward + backward, one "
+           f"thread: {kernel_summary(hardware.kernel_times, flops_of_kernels)}), "
+           if hardware.kernel_times else "")
+        + f"{hardware.peak_flops / 1e9:.0f} GFLOP/s effective for the other layers, "
         f"{hardware.op_overhead * 1e6:.0f} us per layer and pass (both fitted to the one-rank steps), "
         f"memory {hardware.memory_bandwidth / 1e9:.1f} GB/s (numpy copy), collective latency "
         f"{hardware.intra_node_latency * 1e3:.2f} ms and bandwidth {hardware.intra_node_bandwidth / 1e9:.2f} GB/s "
@@ -257,6 +341,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=cli.positive_int("--rounds"), default=1, help="bench_scaling rounds (default 1)")
     parser.add_argument("--chain", type=cli.positive_int("--chain"), default=50, help="small allreduces per call (default 50)")
     parser.add_argument("--repeats", type=cli.positive_int("--repeats"), default=7, help="timed calls (default 7)")
+    parser.add_argument("--kernel-repeats", type=cli.positive_int("--kernel-repeats"), default=5,
+                        help="timed calls per convolution kernel (default 5)")
+    parser.add_argument("--kernel-table", action=argparse.BooleanOptionalAction, default=True,
+                        help="time every convolution of the measured layouts and use those times "
+                             "(default on; --no-kernel-table predicts every layer by the roofline)")
     parser.add_argument("--bandwidth-mib", type=cli.positive_int("--bandwidth-mib"), default=32,
                         help="MiB per large allreduce (default 32)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per job (default 1800)")
@@ -271,13 +360,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.configs, args.repeats, args.chain, args.bandwidth_mib = "cosmoflow:32", "serial,spatial2x1x1", 2, 5, 1
+        args.kernel_repeats = 2
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
-        comm_worker(json.loads(args.worker))
+        spec = json.loads(args.worker)
+        (kernel_worker if spec.get("kind") == "kernels" else comm_worker)(spec)
         return 0
     command = common.command_line("benchmarks/validate_cost_model.py", sys.argv[1:] if argv is None else argv)
     print("communication: 2 ranks ...", flush=True)
@@ -297,12 +388,18 @@ def main(argv=None) -> int:
         print("error: the measurements hold no one-rank step to calibrate on", file=sys.stderr)
         return 1
     cache: dict = {}
-    flops, overhead = fit_compute(serial, comm_result, bandwidth, cache)
+    kernel_times = flops_of_kernels = None
+    if args.kernel_table:
+        flops_of_kernels = kernel_flops(steps, cache)
+        print(f"kernels: timing {len(flops_of_kernels)} convolutions, one thread ...", flush=True)
+        kernel_times = measure_kernels(sorted(flops_of_kernels), args)
+    flops, overhead = fit_compute(serial, comm_result, bandwidth, cache, kernel_times)
     co_running = None
     if args.co_running:
         print(f"co-running: the {len(serial)} one-rank step(s) alone, then side by side ...", flush=True)
         co_running = measure_co_running(serial, args)
-    hardware = hardware_of(comm_result, bandwidth, flops, overhead, co_running["factor"] if co_running else 1.0)
+    hardware = hardware_of(comm_result, bandwidth, flops, overhead, co_running["factor"] if co_running else 1.0,
+                           kernel_times)
     cores = os.cpu_count() or 1
     rows = []
     for r in steps:
@@ -310,7 +407,7 @@ def main(argv=None) -> int:
         rows.append({"model": r["model"], "size": r["size"], "layout": layout_text(r), "ranks": r["ranks"],
                      "oversubscribed": r["ranks"] * r.get("threads", 1) > cores,
                      "predicted_s": predicted, "measured_s": r["step"], "error": predicted / r["step"] - 1})
-    report = render(rows, hardware, command, co_running)
+    report = render(rows, hardware, command, co_running, flops_of_kernels)
     print(report)
     if args.quick:
         return 0

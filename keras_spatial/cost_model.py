@@ -98,6 +98,20 @@ ADAM_SLOTS = 2
 # ----------------------------------------------------------------------------- hardware
 
 
+def _check_kernel_times(value) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValueError(f"`kernel_times` must be a dict of kernel keys to seconds. Received: {value!r}")
+    for key, seconds in value.items():
+        if (not isinstance(key, str) or isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                or not math.isfinite(seconds) or seconds <= 0):
+            raise ValueError(
+                "`kernel_times` must map kernel keys (strings) to positive seconds. "
+                f"Received: {key!r}: {seconds!r}"
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """A machine for `predict_step`: one rank per accelerator.
@@ -123,10 +137,18 @@ class Hardware:
             cost each other (CPU cores; measured by running one independent copy of a
             one-rank step per core at once, `benchmarks/validate_cost_model.py`).
             Defaults to 1 (an accelerator per rank).
+        kernel_times: measured seconds of the forward plus backward pass of single
+            convolutions, keyed by `LayerCost.kernel` (the layer's class, per-rank input
+            shape, filters, kernel, strides, padding, bias and whether the input
+            gradient is computed): where a layer's key is listed, its compute time is
+            the measured one instead of the roofline's (convolution throughput depends on
+            the shape; `benchmarks/validate_cost_model.py` measures the table of the
+            layouts it validates). Defaults to None (roofline for every layer).
 
     Raises:
         ValueError: for a missing, non-numeric, NaN, infinite or non-positive value, an
-            efficiency above 1, or a non-integer `ranks_per_node`.
+            efficiency above 1, a non-integer `ranks_per_node`, or `kernel_times` that is
+            not a mapping of strings to positive seconds.
     """
 
     name: str
@@ -142,10 +164,14 @@ class Hardware:
     ranks_per_node: int
     op_overhead: float = 0.0
     co_running_slowdown: float = 1.0
+    kernel_times: Optional[dict] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "kernel_times":
+                _check_kernel_times(value)
+                continue
             if field.name == "name":
                 if not isinstance(value, str) or not value:
                     raise ValueError(f"`name` must be a non-empty string. Received: name={value!r}")
@@ -280,6 +306,8 @@ class LayerCost:
         exchanges: per spatial index of the group, the `AxisExchange`s of the forward
             pass (empty for layers without halos).
         forward_collectives, backward_collectives: `Collective`s of each pass.
+        kernel: for a convolution or transposed convolution, the key of its kernel in
+            `Hardware.kernel_times` (`kernel_key`); "" for other layers.
     """
 
     name: str
@@ -297,6 +325,7 @@ class LayerCost:
     exchanges: tuple[tuple[AxisExchange, ...], ...] = ()
     forward_collectives: tuple[Collective, ...] = ()
     backward_collectives: tuple[Collective, ...] = ()
+    kernel: str = ""
 
     def halo_bytes(self, spatial_index: int = 0) -> int:
         """Bytes the rank at `spatial_index` receives in the forward exchange."""
@@ -456,6 +485,64 @@ def _layer_collectives(layer, mesh: Mesh, in_local, out_global, batch: int) -> t
     return (), ()
 
 
+def kernel_key(spec: dict) -> str:
+    """The `Hardware.kernel_times` key of a convolution described by `spec`.
+
+    `spec` holds "class" ("Conv3D" or "Conv3DTranspose"), "input" (the per-rank input
+    shape, batch first, channels last), "filters", "kernel_size", "strides", "padding",
+    "use_bias" and "input_gradient" (as `kernel_spec` returns). The key is readable and
+    can be parsed back by `parse_kernel_key`.
+
+    Example:
+    >>> kernel_key({"class": "Conv3D", "input": (1, 32, 64, 64, 4), "filters": 16,
+    ...             "kernel_size": (3, 3, 3), "strides": (1, 1, 1), "padding": "same",
+    ...             "use_bias": False, "input_gradient": False})
+    'Conv3D 1x32x64x64x4 f16 k3x3x3 s1x1x1 same nobias nodx'
+    """
+    def text(values):
+        return "x".join(str(int(v)) for v in values)
+
+    return (f"{spec['class']} {text(spec['input'])} f{int(spec['filters'])} k{text(spec['kernel_size'])} "
+            f"s{text(spec['strides'])} {spec['padding']} {'bias' if spec['use_bias'] else 'nobias'} "
+            f"{'dx' if spec['input_gradient'] else 'nodx'}")
+
+
+def parse_kernel_key(key: str) -> dict:
+    """The spec of a `kernel_key`, for a tool that measures the kernel.
+
+    Raises:
+        ValueError: for a string that is not a kernel key.
+    """
+    parts = key.split()
+    try:
+        cls, shape, filters, kernel, strides, padding, bias, dx = parts
+        if cls not in ("Conv3D", "Conv3DTranspose") or padding not in ("same", "valid"):
+            raise ValueError
+        if not (filters[0] == "f" and kernel[0] == "k" and strides[0] == "s"
+                and bias in ("bias", "nobias") and dx in ("dx", "nodx")):
+            raise ValueError
+        return {"class": cls, "input": tuple(int(v) for v in shape.split("x")), "filters": int(filters[1:]),
+                "kernel_size": tuple(int(v) for v in kernel[1:].split("x")),
+                "strides": tuple(int(v) for v in strides[1:].split("x")), "padding": padding,
+                "use_bias": bias == "bias", "input_gradient": dx == "dx"}
+    except ValueError:
+        raise ValueError(f"Not a kernel key (see `kernel_key`). Received: {key!r}") from None
+
+
+def kernel_spec(layer, local_input: tuple, batch_size: int, input_gradient: bool) -> Optional[dict]:
+    """The spec `kernel_key` describes for a (spatial or plain) Conv3D or Conv3DTranspose
+    running on a per-rank input of shape `local_input` (no batch axis); None for other
+    layers."""
+    if (not isinstance(layer, (keras.layers.Conv3D, keras.layers.Conv3DTranspose))
+            or int(getattr(layer, "groups", 1) or 1) != 1):
+        return None
+    cls = "Conv3DTranspose" if isinstance(layer, keras.layers.Conv3DTranspose) else "Conv3D"
+    return {"class": cls, "input": (int(batch_size), *(int(d) for d in local_input)),
+            "filters": int(layer.filters), "kernel_size": tuple(int(k) for k in layer.kernel_size),
+            "strides": tuple(int(s) for s in layer.strides), "padding": layer.padding,
+            "use_bias": bool(layer.use_bias), "input_gradient": bool(input_gradient)}
+
+
 def model_costs(
     model_or_builder: Any,
     spatial_shape: Sequence[int],
@@ -538,6 +625,7 @@ def model_costs(
         replicated = row["split"] == "replicated" and bool(inputs) and not any(
             split.get(id(t), False) for t in inputs
         )
+        spec = kernel_spec(layer, in_local[0], batch_size, input_grad) if in_local else None
         costs.append(LayerCost(
             name=layer.name, type=type(layer).__name__, split=row["split"], local_shape=out_local,
             forward_flops=forward * batch_size, backward_flops=backward * batch_size,
@@ -546,6 +634,7 @@ def model_costs(
             activation_bytes=sum(r["bytes"] for r in layer_rows), input_gradient=input_grad,
             exchanges=exchanges, forward_collectives=forward_collectives,
             backward_collectives=backward_collectives if input_grad else (),
+            kernel=kernel_key(spec) if spec else "",
         ))
     return costs
 
@@ -663,8 +752,9 @@ class LayerTime:
 
     Attributes:
         name, type: the layer's.
-        compute: roofline compute of both passes plus `Hardware.op_overhead` per pass,
-            times `Hardware.compute_factor` (ranks sharing a node).
+        compute: both passes (the measured `Hardware.kernel_times` entry of the layer's
+            kernel if there is one, else the roofline) plus `Hardware.op_overhead` per
+            pass, times `Hardware.compute_factor` (ranks sharing a node).
         halo: halo exchange of both passes (the backward one only when the input
             gradient is computed).
         collectives: the layer's own collectives (gathers, global pooling, batch-norm
@@ -688,9 +778,13 @@ class LayerTime:
 def layer_time(cost: LayerCost, mesh: Mesh, hardware: Hardware, collectives: str = "ring") -> LayerTime:
     """The predicted `LayerTime` of one layer's `LayerCost` on `mesh` and `hardware`."""
     overhead = hardware.op_overhead if cost.forward_flops or cost.forward_bytes else 0.0
-    compute = (compute_time(cost.forward_flops, cost.forward_bytes, hardware)
-               + compute_time(cost.backward_flops, cost.backward_bytes, hardware)
-               + overhead * (2 if cost.backward_bytes else 1)) * hardware.compute_factor(mesh.world_size)
+    measured = (hardware.kernel_times or {}).get(cost.kernel) if cost.kernel else None
+    if measured is not None:
+        passes = measured
+    else:
+        passes = (compute_time(cost.forward_flops, cost.forward_bytes, hardware)
+                  + compute_time(cost.backward_flops, cost.backward_bytes, hardware))
+    compute = (passes + overhead * (2 if cost.backward_bytes else 1)) * hardware.compute_factor(mesh.world_size)
     exchange = exchange_time(cost, mesh, hardware)
     halo = exchange + (exchange if cost.input_gradient else 0.0)
     communication = sum(collective_time(c, mesh, hardware, collectives)
@@ -1078,6 +1172,6 @@ __all__ = [
     "Collective",
     "ELEMENTWISE_FLOPS", "Hardware", "LayerCost", "LayerTime", "LayoutChoice", "StepPrediction", "auto_layout",
     "collective_time", "compute_time", "exchange_time", "format_predictions", "gradient_collectives", "group_ranks",
-    "layer_time", "as_hardware",
+    "layer_time", "as_hardware", "kernel_key", "kernel_spec", "parse_kernel_key",
     "memory_per_rank", "model_costs", "predict_step", "ring_time", "spatial_shapes",
 ]

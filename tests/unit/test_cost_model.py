@@ -225,6 +225,47 @@ def test_more_ranks_less_compute_per_rank(model):
     assert all(a > b for a, b in zip(memory, memory[1:]))
 
 
+def test_convolutions_carry_the_key_of_their_kernel(model):
+    costs = by_name(cm.model_costs(model, (2, 1, 1), batch_size=3))
+    # conv1 reads the data (no input gradient), conv2 a trainable layer's output.
+    assert costs["conv1"].kernel == "Conv3D 3x4x8x8x2 f4 k3x3x3 s1x1x1 same bias nodx"
+    assert costs["conv2"].kernel == "Conv3D 3x4x8x8x4 f4 k3x3x3 s1x1x1 same nobias dx"
+    assert {c.kernel for c in costs.values() if c.type not in ("SpatialConv3D",)} == {""}
+    for cost in costs.values():
+        if cost.kernel:
+            assert cm.kernel_key(cm.parse_kernel_key(cost.kernel)) == cost.kernel
+
+
+def test_transposed_convolution_kernel_key_and_bad_keys():
+    x = keras.Input((4, 4, 4, 3))
+    layer = keras.layers.Conv3DTranspose(5, 2, strides=2, name="up")
+    keras.Model(x, layer(x))
+    spec = cm.kernel_spec(layer, (4, 4, 4, 3), 1, True)
+    assert cm.kernel_key(spec) == "Conv3DTranspose 1x4x4x4x3 f5 k2x2x2 s2x2x2 valid bias dx"
+    assert cm.kernel_spec(keras.layers.Dense(2), (4,), 1, True) is None
+    for bad in ("Conv3D 1x4x4x4x3", "Conv2D 1x4x4x3 f5 k2x2 s1x1 same bias dx",
+                "Conv3D 1x4x4x4x3 f5 k2x2x2 s1x1x1 causal bias dx", "Conv3D 1xax4x4x3 f5 k2 s1 same bias dx"):
+        with pytest.raises(ValueError, match="Not a kernel key"):
+            cm.parse_kernel_key(bad)
+
+
+def test_measured_kernel_times_replace_the_roofline_of_their_layers(model):
+    costs = cm.model_costs(model, (2, 1, 1), world_size=2)
+    conv2 = by_name(costs)["conv2"]
+    mesh = Mesh(world_size=2, spatial_shape=(2, 1, 1))
+    plain = hardware(op_overhead=1e-5, co_running_slowdown=1.5)
+    measured = hardware(op_overhead=1e-5, co_running_slowdown=1.5, kernel_times={conv2.kernel: 0.25})
+    # Measured seconds of both passes, plus the overhead of each, times the co-running factor.
+    assert cm.layer_time(conv2, mesh, measured).compute == pytest.approx((0.25 + 2e-5) * 1.5, rel=1e-12)
+    assert cm.layer_time(conv2, mesh, plain).compute < 0.01
+    others = [c for c in costs if c.name != "conv2"]
+    assert [cm.layer_time(c, mesh, measured) for c in others] == [cm.layer_time(c, mesh, plain) for c in others]
+    # A key of another shape (the 1x1x1 layout's conv2) is not used on this layout.
+    serial = by_name(cm.model_costs(model, (1, 1, 1)))["conv2"]
+    assert serial.kernel != conv2.kernel
+    assert cm.layer_time(serial, Mesh(world_size=1, spatial_shape=(1, 1, 1)), measured).compute < 0.01
+
+
 def test_predict_step_rejects_a_batch_the_groups_cannot_share(model):
     with pytest.raises(ValueError, match="multiple of the 4 data groups"):
         cm.predict_step(model, (1, 1, 1), 4, 6, hardware())
@@ -249,6 +290,10 @@ def test_predict_step_rejects_a_batch_the_groups_cannot_share(model):
         ("co_running_slowdown", 0.0, "must be positive"),
         ("name", "", "non-empty string"),
         ("ranks_per_node", True, "finite number"),
+        ("kernel_times", [1.0], "must be a dict"),
+        ("kernel_times", {"Conv3D": 0.0}, "positive seconds"),
+        ("kernel_times", {"Conv3D": float("nan")}, "positive seconds"),
+        ("kernel_times", {3: 1.0}, "positive seconds"),
     ],
 )
 def test_hardware_validation(field, value, message):
