@@ -164,7 +164,7 @@ class Hardware:
     ranks_per_node: int
     op_overhead: float = 0.0
     co_running_slowdown: float = 1.0
-    kernel_times: Optional[dict] = dataclasses.field(default=None, compare=False)
+    kernel_times: Optional[dict] = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
