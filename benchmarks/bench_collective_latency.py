@@ -26,7 +26,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_common as common  # noqa: E402  (benchmarks/, this script's folder)
 from recipes import cli  # noqa: E402  (the project's argparse types)
-from bench_halo import median_seconds  # noqa: E402
 
 
 def loopback_round_trip_seconds(messages: int = 2000) -> float:
@@ -94,8 +93,8 @@ def main(argv=None) -> None:
     small = tf.ones([8])
     plane = tf.ones([1, 8, 8, 4])
     rows = [
-        ("allreduce, 8 floats", median_seconds(lambda: allreduces(small).numpy(), args.repeats) / args.chain),
-        ("alltoall, one 8x8x4 plane", median_seconds(lambda: alltoalls(plane).numpy(), args.repeats) / args.chain),
+        ("allreduce, 8 floats", common.median_seconds(lambda: allreduces(small).numpy(), args.repeats) / args.chain),
+        ("alltoall, one 8x8x4 plane", common.median_seconds(lambda: alltoalls(plane).numpy(), args.repeats) / args.chain),
     ]
     strategy.barrier()
     if strategy.rank == 0:

@@ -597,6 +597,18 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list
     return lines
 
 
+def median_seconds(fn: Callable[[], Any], repeats: int, warmups: int = 2) -> float:
+    """Median wall time of `repeats` calls of `fn` after `warmups` untimed ones (tracing)."""
+    for _ in range(warmups):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
 def median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     if not ordered:

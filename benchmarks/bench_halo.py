@@ -17,25 +17,12 @@ import datetime
 import os
 import platform
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as common  # noqa: E402  (benchmarks/, this script's folder)
 from recipes import cli  # noqa: E402  (the project's argparse types)
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # trace and warm up
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def bench_layer(strategy, size: int, channels_in: int, filters: int, repeats: int) -> dict:
@@ -78,10 +65,10 @@ def bench_layer(strategy, size: int, channels_in: int, filters: int, repeats: in
         "layer": f"{channels_in}->{filters}",
         "local": "x".join(map(str, x_local.shape[1:4])),
         "halo_planes": sum(max(h, 0) for h in plans[0].halo(strategy.coords[0])),
-        "halo": median_seconds(run(halo, x_local), repeats),
-        "conv": median_seconds(run(local_conv, extended), repeats),
-        "forward": median_seconds(run(forward, x_local), repeats),
-        "fwd_bwd": median_seconds(run(forward_backward, x_local), repeats),
+        "halo": common.median_seconds(run(halo, x_local), repeats),
+        "conv": common.median_seconds(run(local_conv, extended), repeats),
+        "forward": common.median_seconds(run(forward, x_local), repeats),
+        "fwd_bwd": common.median_seconds(run(forward_backward, x_local), repeats),
     }
 
 

@@ -116,12 +116,7 @@ def memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
 
     source = np.ones(mib * 2**20 // 8)
     target = np.empty_like(source)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        np.copyto(target, source)
-        times.append(time.perf_counter() - start)
-    return 2 * source.nbytes / statistics.median(times)
+    return 2 * source.nbytes / common.median_seconds(lambda: np.copyto(target, source), repeats, warmups=0)
 
 
 def measure_co_running(serial: list[dict], args) -> dict:
@@ -182,13 +177,7 @@ def kernel_worker(spec: dict) -> None:
             sources = ([x] if input_gradient else []) + list(layer.trainable_weights)
             return tf.add_n([tf.reduce_sum(g) for g in tape.gradient(loss, sources)])
 
-        step(x).numpy()  # trace and warm up
-        samples = []
-        for _ in range(spec["repeats"]):
-            start = time.perf_counter()
-            step(x).numpy()
-            samples.append(time.perf_counter() - start)
-        times[key] = statistics.median(samples)
+        times[key] = common.median_seconds(lambda: step(x).numpy(), spec["repeats"], warmups=1)
         if index % 20 == 0 or index == len(spec["keys"]):
             print(f"    {index}/{len(spec['keys'])} kernels timed", flush=True)
     common.write_result(spec, [{"kernel_times": times}])
